@@ -1,0 +1,70 @@
+"""The small interface every engine kind implements.
+
+An adapter answers three questions for the proxy, all pure functions of the request:
+
+1. how to tag an upstream request so the engine uses an id the sidecar chose
+   (:meth:`EngineAdapter.tag`, e.g. the ``X-Request-Id`` header for vLLM);
+2. which engine request ids a request produced (:meth:`EngineAdapter.engine_request_ids`,
+   from the path, the sidecar request id and, where the count depends on it, the body);
+3. which HTTP calls abort those ids (:meth:`EngineAdapter.abort_calls`).
+
+The proxy owns all network I/O; adapters never touch a socket, so each can be tested exhaustively
+(and property-tested) on its own.
+"""
+
+from __future__ import annotations
+
+import abc
+from collections.abc import MutableMapping
+from dataclasses import dataclass
+from typing import Any, ClassVar
+
+from sidecar.config import EngineKind, EngineSettings
+
+
+@dataclass(frozen=True, slots=True)
+class AbortCall:
+    """One HTTP call to an engine's abort endpoint: ``POST <engine url><path>`` with ``json``."""
+
+    path: str
+    json: Any
+
+
+class EngineAdapter(abc.ABC):
+    """How one engine kind is tagged and aborted. One instance per configured engine."""
+
+    kind: ClassVar[EngineKind]
+    default_abort_path: ClassVar[str | None]
+
+    def __init__(self, name: str, settings: EngineSettings) -> None:
+        self.name = name
+        self.settings = settings
+        self.base_url = str(settings.url).rstrip("/")
+        self.abort_path = settings.abort.path or self.default_abort_path
+
+    def abort_headers(self) -> dict[str, str]:
+        """Headers for an abort call: the bearer key, if configured. Never logged."""
+        key = self.settings.abort.api_key
+        return {"Authorization": f"Bearer {key.get_secret_value()}"} if key is not None else {}
+
+    @abc.abstractmethod
+    def tag(self, path: str, sidecar_id: str, headers: MutableMapping[str, str]) -> None:
+        """Make the engine use ids derived from ``sidecar_id``: edit the upstream ``headers``."""
+
+    @abc.abstractmethod
+    def wants_body(self, method: str, path: str) -> bool:
+        """True if :meth:`engine_request_ids` needs a copy of the request body for this route."""
+
+    @abc.abstractmethod
+    def engine_request_ids(
+        self, method: str, path: str, sidecar_id: str, body: bytes | None
+    ) -> tuple[str, ...]:
+        """Every engine request id this request produced, in order; empty if the route
+        generates nothing (then nothing is aborted). ``body`` is the request body copy when
+        :meth:`wants_body` said so (``None`` if it was too large to keep). Never raises on a
+        malformed body: the engine rejects such a body itself, so a best-effort answer is fine.
+        """
+
+    @abc.abstractmethod
+    def abort_calls(self, ids: tuple[str, ...]) -> list[AbortCall]:
+        """The calls that abort ``ids`` (non-empty). Raises ``ValueError`` on an empty tuple."""

@@ -1,0 +1,14 @@
+"""cancel-sidecar: a reverse proxy that stops LLM engine work the moment its client leaves.
+
+Data flow for one request (modules named after the nouns)::
+
+    client request ──► route (route.py: longest prefix -> engine)
+                   ──► engine adapter tags ids (engine/: X-Request-Id = a sidecar-minted id)
+                   ──► upstream stream (upstream.py: pooled, body and response relayed chunk by chunk)
+    client disconnect (aiohttp cancels the handler: proxy.py)
+                   ──► upstream closed + engine abort (abort.py: own task, bounded, counted)
+
+``config.py`` turns YAML into frozen settings; ``app.py`` builds the proxy and admin applications
+with their state under typed keys; ``server.py`` runs them as production does; ``cli.py`` is the
+``cancel-sidecar`` command.
+"""

@@ -1,0 +1,267 @@
+"""Config: YAML -> ``${VAR}`` expansion -> validated models -> cross-reference pass -> frozen ``Config``.
+
+Every problem is collected, located by a dotted path (``engines.local.abort.timeout_s``) and
+raised together as one :class:`~sidecar.errors.ConfigError`; ``cancel-sidecar --check-config``
+prints them and exits 1. Unknown keys are rejected, so a typo never silently falls back to a
+default. Secrets (``api_key``) are ``SecretStr``: never printed, not even in error messages.
+
+Shape (see ``config/sidecar.yaml`` for the commented reference)::
+
+    listen:   {host, port}                       client-facing proxy listener
+    admin:    {host, port}                       /healthz, /readyz, /metrics
+    upstream: {connect_timeout_s, first_byte_timeout_s, keepalive_timeout_s, ...}
+    engines:  {NAME: {kind, url, abort: {path, api_key, timeout_s}}}
+    routes:   [{prefix, engine}]
+"""
+
+from __future__ import annotations
+
+import enum
+import os
+import re
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Annotated, Any
+
+import yaml
+from pydantic import (
+    AfterValidator,
+    AnyHttpUrl,
+    BaseModel,
+    ConfigDict,
+    Field,
+    SecretStr,
+    ValidationError,
+    model_validator,
+)
+
+from sidecar.errors import ConfigError, ConfigProblem
+
+
+class EngineKind(enum.StrEnum):
+    """Engine kinds with an adapter in ``engine/``."""
+
+    VLLM = "vllm"
+
+
+def _positive_or_none(value: float | None) -> float | None:
+    if value is not None and value <= 0:
+        raise ValueError("must be > 0 seconds; use null for no limit")
+    return value
+
+
+def _positive(value: float) -> float:
+    if value <= 0:
+        raise ValueError("must be > 0 seconds")
+    return value
+
+
+def _route_prefix(value: str) -> str:
+    if not value.startswith("/"):
+        raise ValueError("must start with '/', e.g. /v1")
+    return value
+
+
+def _abort_path(value: str | None) -> str | None:
+    if value is not None and not value.startswith("/"):
+        raise ValueError("must be an absolute path starting with '/'")
+    return value
+
+
+# 0 asks the OS for a free port (tests); the bound port is logged.
+def _empty_is_none(value: SecretStr | None) -> SecretStr | None:
+    return None if value is not None and not value.get_secret_value() else value
+
+
+Port = Annotated[int, Field(ge=0, le=65535)]
+Seconds = Annotated[float, AfterValidator(_positive)]
+OptionalSeconds = Annotated[float | None, AfterValidator(_positive_or_none)]
+RoutePrefix = Annotated[str, AfterValidator(_route_prefix)]
+
+
+class _Model(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+class Listener(_Model):
+    """An address to listen on. Loopback by default: nothing listens beyond what is configured."""
+
+    host: str = "127.0.0.1"
+    port: Port
+
+
+class AbortSettings(_Model):
+    """How to call an engine's abort endpoint.
+
+    ``path`` defaults per engine kind (vLLM: ``/inference/v1/abort_requests``); ``api_key`` is sent
+    as ``Authorization: Bearer <key>``; ``timeout_s`` bounds the whole abort call.
+    """
+
+    path: Annotated[str | None, AfterValidator(_abort_path)] = None
+    api_key: Annotated[SecretStr | None, AfterValidator(_empty_is_none)] = None
+    timeout_s: Seconds = 2.0
+
+
+class EngineSettings(_Model):
+    """One engine (upstream) the sidecar proxies to and aborts on."""
+
+    kind: EngineKind
+    url: AnyHttpUrl
+    abort: AbortSettings = AbortSettings()
+
+    @model_validator(mode="after")
+    def _url_is_origin(self) -> EngineSettings:
+        if self.url.path not in (None, "", "/") or self.url.query or self.url.fragment:
+            raise ValueError(
+                "url must be an origin like http://127.0.0.1:8000 (no path, query or fragment): "
+                "request paths are forwarded unchanged"
+            )
+        return self
+
+
+class UpstreamSettings(_Model):
+    """Limits on the upstream (engine) side. Streams never have a total timeout.
+
+    ``connect_timeout_s``: TCP connect, seconds. ``first_byte_timeout_s``: from the request being
+    sent until the response headers arrive (a non-streaming generation counts whole), seconds.
+    ``keepalive_timeout_s``: how long an idle pooled connection is kept; keep it below the
+    engine's own idle timeout (uvicorn: 5 s) so the engine is not the one closing it.
+    ``max_connections``: pool size, 0 for unlimited. ``replay_buffer_bytes``: a POST that fails on
+    a stale pooled connection before any response byte is re-sent once on a new connection if its
+    body fit in this many bytes.
+    """
+
+    connect_timeout_s: OptionalSeconds = 5.0
+    first_byte_timeout_s: OptionalSeconds = 600.0
+    keepalive_timeout_s: Seconds = 4.0
+    max_connections: Annotated[int, Field(ge=0)] = 0
+    replay_buffer_bytes: Annotated[int, Field(ge=0)] = 8 * 1024 * 1024
+
+
+class RouteSettings(_Model):
+    """Requests whose path is ``prefix`` or lies below it go to ``engine``."""
+
+    prefix: RoutePrefix
+    engine: str
+
+
+class Settings(_Model):
+    """The whole validated config file, before cross-references are checked."""
+
+    listen: Listener = Listener(port=8080)
+    admin: Listener | None = Listener(port=9090)
+    upstream: UpstreamSettings = UpstreamSettings()
+    engines: Annotated[dict[str, EngineSettings], Field(min_length=1)]
+    routes: Annotated[list[RouteSettings], Field(min_length=1)]
+    log_level: str = "INFO"
+
+
+_VAR = re.compile(r"\$\{([A-Za-z_][A-Za-z0-9_]*)(?::-([^}]*))?\}")
+_SECRET_KEYS = frozenset({"api_key"})
+
+
+def _expand(node: Any, env: Mapping[str, str], loc: str, problems: list[ConfigProblem]) -> Any:
+    """Replace ``${VAR}`` and ``${VAR:-default}`` in every string of the YAML tree."""
+    if isinstance(node, dict):
+        return {k: _expand(v, env, f"{loc}.{k}" if loc else str(k), problems) for k, v in node.items()}
+    if isinstance(node, list):
+        return [_expand(v, env, f"{loc}.{i}", problems) for i, v in enumerate(node)]
+    if not isinstance(node, str):
+        return node
+
+    def substitute(match: re.Match[str]) -> str:
+        name, default = match.group(1), match.group(2)
+        if name in env:
+            return env[name]
+        if default is not None:
+            return default
+        problems.append(
+            ConfigProblem(loc, f"environment variable {name} is not set; "
+                          f"set it or write ${{{name}:-default}}")
+        )
+        return ""
+
+    return _VAR.sub(substitute, node)
+
+
+def _render_value(loc: tuple[int | str, ...], value: Any) -> str:
+    if any(part in _SECRET_KEYS for part in loc):
+        return "'***'"
+    text = repr(value)
+    return text if len(text) <= 80 else text[:77] + "..."
+
+
+def _cross_reference(raw: dict[str, Any]) -> list[ConfigProblem]:
+    """Checks across sections, on the raw tree so they run even when the schema check failed."""
+    problems: list[ConfigProblem] = []
+    engines = raw.get("engines")
+    routes = raw.get("routes")
+    names = set(engines) if isinstance(engines, dict) else None
+    seen: dict[str, int] = {}
+    for i, route in enumerate(routes if isinstance(routes, list) else []):
+        if not isinstance(route, dict):
+            continue
+        engine, prefix = route.get("engine"), route.get("prefix")
+        if names is not None and isinstance(engine, str) and engine not in names:
+            defined = ", ".join(sorted(map(str, names))) or "none"
+            problems.append(ConfigProblem(
+                f"routes.{i}.engine", f"names no defined engine (defined: {defined})",
+                repr(engine)))
+        if isinstance(prefix, str):
+            if prefix in seen:
+                problems.append(ConfigProblem(
+                    f"routes.{i}.prefix", f"duplicates routes.{seen[prefix]}.prefix",
+                    repr(prefix)))
+            seen.setdefault(prefix, i)
+    listen, admin = raw.get("listen"), raw.get("admin")
+    if isinstance(listen, dict) and isinstance(admin, dict):
+        host = lambda d: d.get("host", "127.0.0.1")  # noqa: E731
+        if (host(listen), listen.get("port")) == (host(admin), admin.get("port")) and admin.get(
+            "port"
+        ):
+            problems.append(ConfigProblem(
+                "admin.port", "must differ from listen.port on the same host",
+                repr(admin.get("port"))))
+    return problems
+
+
+def parse_config(text: str, source: str = "<string>",
+                 env: Mapping[str, str] | None = None) -> Settings:
+    """Validate config text (YAML).
+
+    Returns the frozen :class:`Settings`. Raises :class:`ConfigError` listing every problem, each
+    with its dotted location, what was wrong and the offending value (secrets masked).
+    """
+    try:
+        raw = yaml.safe_load(text)
+    except yaml.YAMLError as exc:
+        mark = getattr(exc, "problem_mark", None)
+        where = f"line {mark.line + 1}, column {mark.column + 1}" if mark else ""
+        raise ConfigError(source, [ConfigProblem(where, f"not valid YAML: {exc}")]) from exc
+    if not isinstance(raw, dict):
+        raise ConfigError(source, [ConfigProblem("", "must be a YAML mapping at the top level",
+                                                 type(raw).__name__)])
+    problems: list[ConfigProblem] = []
+    expanded = _expand(raw, os.environ if env is None else env, "", problems)
+    try:
+        settings = Settings.model_validate(expanded)
+    except ValidationError as exc:
+        for err in exc.errors():
+            loc = ".".join(str(part) for part in err["loc"])
+            value = None if err["type"] == "missing" else _render_value(err["loc"], err["input"])
+            problems.append(ConfigProblem(loc, err["msg"].removeprefix("Value error, "), value))
+        problems.extend(_cross_reference(expanded))
+        raise ConfigError(source, problems) from exc
+    problems.extend(_cross_reference(expanded))
+    if problems:
+        raise ConfigError(source, problems)
+    return settings
+
+
+def load_config(path: Path, env: Mapping[str, str] | None = None) -> Settings:
+    """Read and validate the config file at ``path``. Raises :class:`ConfigError`."""
+    try:
+        text = path.read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError) as exc:
+        raise ConfigError(str(path), [ConfigProblem("", f"cannot read file: {exc}")]) from exc
+    return parse_config(text, str(path), env)

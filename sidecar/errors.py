@@ -1,0 +1,83 @@
+"""The sidecar's error tree.
+
+Library exceptions (aiohttp, asyncio, pydantic) are translated into this tree at one boundary
+each, with ``raise ... from exc``::
+
+    SidecarError
+    ├── ConfigError                  bad YAML, schema or cross-reference; carries every problem
+    └── UpstreamError                the engine could not give a response (mapped to 502/504)
+        ├── UpstreamConnectError     connection refused / unreachable            -> 502
+        ├── UpstreamProtocolError    malformed or truncated response headers     -> 502
+        └── UpstreamTimeoutError     (also a TimeoutError)                       -> 504
+            ├── UpstreamConnectTimeout      no connection within connect_timeout_s
+            └── UpstreamFirstByteTimeout    no response headers within first_byte_timeout_s
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+class SidecarError(Exception):
+    """Root of every error the sidecar raises on purpose."""
+
+
+@dataclass(frozen=True)
+class ConfigProblem:
+    """One located problem in a config file.
+
+    ``location`` is dotted (``engines.local.abort.timeout_s``), ``value`` the offending input
+    rendered for humans (secrets masked), ``expected`` what would be accepted.
+    """
+
+    location: str
+    message: str
+    value: str | None = None
+
+    def __str__(self) -> str:
+        got = f" (got {self.value})" if self.value is not None else ""
+        return f"{self.location or '<root>'}: {self.message}{got}"
+
+
+class ConfigError(SidecarError):
+    """A config file that cannot be used. ``problems`` lists every problem found, in order."""
+
+    def __init__(self, source: str, problems: list[ConfigProblem]) -> None:
+        self.source = source
+        self.problems = problems
+        lines = "\n".join(f"  - {p}" for p in problems)
+        super().__init__(f"invalid config {source}: {len(problems)} problem(s)\n{lines}")
+
+
+class UpstreamError(SidecarError):
+    """The upstream (engine) gave no usable response. ``status`` is what the client gets."""
+
+    status = 502
+    error_type = "upstream_error"
+
+
+class UpstreamConnectError(UpstreamError):
+    """No TCP connection to the engine (refused, unreachable, reset while connecting)."""
+
+    error_type = "upstream_unreachable"
+
+
+class UpstreamProtocolError(UpstreamError):
+    """The engine closed or broke the connection before complete response headers."""
+
+    error_type = "upstream_protocol_error"
+
+
+class UpstreamTimeoutError(UpstreamError, TimeoutError):
+    """A bounded wait for the engine ran out."""
+
+    status = 504
+    error_type = "upstream_timeout"
+
+
+class UpstreamConnectTimeout(UpstreamTimeoutError):
+    """No connection to the engine within ``upstream.connect_timeout_s``."""
+
+
+class UpstreamFirstByteTimeout(UpstreamTimeoutError):
+    """No response headers from the engine within ``upstream.first_byte_timeout_s``."""

@@ -1,0 +1,82 @@
+"""Header rewriting for one proxy hop (RFC 9110 section 7.6).
+
+Downstream -> upstream: drop hop-by-hop fields (section 7.6.1: ``Connection`` and every field it
+names, ``Proxy-Connection``, ``Keep-Alive``, ``TE``, ``Transfer-Encoding``, ``Upgrade``, plus
+``Proxy-Authenticate``/``Proxy-Authorization`` from RFC 7230's list); drop ``Host`` (the upstream
+client sets the upstream's) and ``Expect`` (the sidecar answers ``100-continue`` itself); append
+``X-Forwarded-For``/``X-Forwarded-Proto``. ``Authorization`` passes unchanged.
+
+Upstream -> downstream: the same hop-by-hop filter; everything else byte-for-byte, repeated fields
+included.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+from multidict import CIMultiDict, CIMultiDictProxy, istr
+
+HOP_BY_HOP = frozenset(
+    istr(name)
+    for name in (
+        "Connection",
+        "Proxy-Connection",
+        "Keep-Alive",
+        "TE",
+        "Transfer-Encoding",
+        "Upgrade",
+        "Proxy-Authenticate",
+        "Proxy-Authorization",
+        "Trailer",
+    )
+)
+_DROP_UPSTREAM = HOP_BY_HOP | {istr("Host"), istr("Expect")}
+
+
+def _connection_tokens(headers: CIMultiDictProxy[str] | CIMultiDict[str]) -> set[str]:
+    return {
+        token.strip().lower()
+        for value in headers.getall("Connection", ())
+        for token in value.split(",")
+        if token.strip()
+    }
+
+
+def _filtered(
+    pairs: Iterable[tuple[str, str]], drop: frozenset[istr], named: set[str]
+) -> CIMultiDict[str]:
+    out: CIMultiDict[str] = CIMultiDict()
+    for name, value in pairs:
+        if name in drop or name.lower() in named:
+            continue
+        out.add(name, value)
+    return out
+
+
+def upstream_request_headers(
+    headers: CIMultiDictProxy[str], client_ip: str | None, proto: str
+) -> CIMultiDict[str]:
+    """Headers to send upstream for a downstream request with ``headers``.
+
+    ``client_ip`` is the peer address (``None`` for a Unix socket); ``proto`` is ``http``/``https``.
+    """
+    out = _filtered(headers.items(), _DROP_UPSTREAM, _connection_tokens(headers))
+    if client_ip is not None:
+        _append(out, "X-Forwarded-For", client_ip)
+    _append(out, "X-Forwarded-Proto", proto)
+    return out
+
+
+def downstream_response_headers(headers: CIMultiDictProxy[str]) -> CIMultiDict[str]:
+    """Headers to send downstream for an upstream response with ``headers``."""
+    return _filtered(headers.items(), HOP_BY_HOP, _connection_tokens(headers))
+
+
+def _append(headers: CIMultiDict[str], name: str, value: str) -> None:
+    """Append ``value`` to a comma-separated list field, folding repeated fields into one."""
+    existing = headers.getall(name, ())
+    if existing:
+        headers.popall(name)
+        headers[name] = ", ".join([*existing, value])
+    else:
+        headers[name] = value

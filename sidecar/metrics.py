@@ -1,0 +1,51 @@
+"""Every Prometheus metric the sidecar exports, on one injected registry.
+
+Names follow Prometheus practice: ``cancel_sidecar_`` prefix, base units, ``_total`` on counters,
+low-cardinality labels (route prefix, engine name, outcome, phase; never a request id).
+"""
+
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+
+# Seconds; abort latency is expected in milliseconds, time to first byte up to minutes.
+_FAST_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0)
+_TTFB_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 300.0)
+
+
+class Metrics:
+    """The sidecar's metrics, registered on ``registry``."""
+
+    def __init__(self, registry: CollectorRegistry) -> None:
+        self.registry = registry
+        self.requests = Counter(
+            "cancel_sidecar_requests_total",
+            "Downstream requests finished, by route prefix and status class (2xx..5xx, or "
+            "'disconnected' when the client left first).",
+            ["route", "status_class"], registry=registry)
+        self.in_flight = Gauge(
+            "cancel_sidecar_in_flight_requests", "Downstream requests being proxied now.",
+            ["route"], registry=registry)
+        self.disconnects = Counter(
+            "cancel_sidecar_client_disconnects_total",
+            "Clients that disconnected before their response was complete, by phase "
+            "(request_body, before_first_byte, response_body).",
+            ["route", "phase"], registry=registry)
+        self.abort_calls = Counter(
+            "cancel_sidecar_abort_calls_total",
+            "Calls to an engine abort endpoint, by engine and outcome "
+            "(ok, http_<status>, timeout, error).",
+            ["engine", "outcome"], registry=registry)
+        self.abort_latency = Histogram(
+            "cancel_sidecar_abort_latency_seconds",
+            "Time from the sidecar noticing a client disconnect to the engine acknowledging "
+            "the abort call.",
+            ["engine"], buckets=_FAST_BUCKETS, registry=registry)
+        self.upstream_errors = Counter(
+            "cancel_sidecar_upstream_errors_total",
+            "Upstream failures, by engine and kind (connect, timeout, protocol, mid_stream).",
+            ["engine", "kind"], registry=registry)
+        self.upstream_ttfb = Histogram(
+            "cancel_sidecar_upstream_time_to_first_byte_seconds",
+            "Time from sending a request upstream to receiving its response headers.",
+            ["engine"], buckets=_TTFB_BUCKETS, registry=registry)

@@ -1,0 +1,191 @@
+"""The hot path: one downstream request relayed to its engine, and cancelled if the client leaves.
+
+Disconnects are noticed event-driven: the production runner enables aiohttp's handler
+cancellation, so a lost downstream connection cancels this handler at whatever it awaits
+(reading the body, waiting for the engine to queue and prefill, waiting for a non-streaming
+response, writing a stream). :meth:`Exchange.cancel` then closes the upstream connection and
+starts the engine abort in its own task, and the cancellation propagates.
+
+A write that fails because the client is gone takes the same path. The engine is aborted only if
+it has the whole request and has not finished its response; a client that leaves right after the
+last byte costs nothing.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import time
+import uuid
+
+import aiohttp
+from aiohttp import web
+
+from sidecar.abort import Aborter
+from sidecar.errors import UpstreamError, UpstreamFirstByteTimeout
+from sidecar.headers import downstream_response_headers, upstream_request_headers
+from sidecar.keys import ABORTER, METRICS, ROUTER, SESSIONS, SETTINGS
+from sidecar.metrics import Metrics
+from sidecar.route import RouteTarget
+from sidecar.upstream import RequestBody, open_upstream, upstream_url
+
+log = logging.getLogger(__name__)
+
+REQUEST_ID = "X-Request-Id"
+CLIENT_REQUEST_ID = "X-Client-Request-Id"
+
+
+def error_response(status: int, message: str, error_type: str,
+                   request_id: str | None = None) -> web.Response:
+    """An OpenAI-style JSON error: ``{"error": {"message", "type", "param", "code"}}``."""
+    body = {"error": {"message": message, "type": error_type, "param": None, "code": status}}
+    response = web.json_response(body, status=status)
+    if request_id is not None:
+        response.headers[REQUEST_ID] = request_id
+    return response
+
+
+class Exchange:
+    """One request's state across the downstream/upstream race."""
+
+    def __init__(self, request: web.Request, target: RouteTarget, aborter: Aborter,
+                 metrics: Metrics) -> None:
+        self.request = request
+        self.target = target
+        self.aborter = aborter
+        self.metrics = metrics
+        self.id = uuid.uuid4().hex
+        self.body: RequestBody | None = None
+        self.upstream: aiohttp.ClientResponse | None = None
+        self.upstream_finished = False  # engine sent its whole response, or the hop failed
+
+    async def run(self) -> web.StreamResponse:
+        request, engine = self.request, self.target.engine
+        settings = request.app[SETTINGS].upstream
+        headers = upstream_request_headers(request.headers, request.remote, request.scheme)
+        client_id = headers.popall(REQUEST_ID, None)
+        if client_id:
+            headers[CLIENT_REQUEST_ID] = client_id[0]
+        engine.tag(request.path, self.id, headers)
+        keep = settings.replay_buffer_bytes
+        self.body = RequestBody(request.content if request.body_exists else None, keep)
+
+        started = time.monotonic()
+        try:
+            upstream = await open_upstream(
+                request.app[SESSIONS], settings, request.method,
+                upstream_url(engine.base_url, request.raw_path), headers, self.body, self.id)
+        except UpstreamError as exc:
+            return self._fail(exc)
+        self.upstream = upstream
+        self.metrics.upstream_ttfb.labels(engine.name).observe(time.monotonic() - started)
+        if not engine.wants_body(request.method, request.path):
+            self.body.drop_copy()
+
+        response = web.StreamResponse(status=upstream.status, reason=upstream.reason,
+                                      headers=downstream_response_headers(upstream.headers))
+        response.headers[REQUEST_ID] = self.id
+        if client_id:
+            response.headers[CLIENT_REQUEST_ID] = client_id[0]
+        await response.prepare(request)
+        while True:
+            try:
+                chunk = await upstream.content.readany()
+            except aiohttp.ClientError as exc:
+                return self._broken_mid_stream(response, exc)
+            if not chunk:
+                break
+            await response.write(chunk)
+        self.upstream_finished = True
+        upstream.release()
+        await response.write_eof()
+        return response
+
+    def cancel(self, reason: str) -> None:
+        """The client is gone (or the sidecar is stopping): close upstream, abort the engine."""
+        if not self.upstream_finished:
+            self._stop(reason, disconnect=True)
+
+    def close(self) -> None:
+        """Last step of every request: a response not read to its end is never pooled again."""
+        if self.upstream is not None and not self.upstream_finished:
+            self.upstream.close()
+            self.upstream_finished = True
+
+    def _stop(self, reason: str, *, disconnect: bool) -> None:
+        noticed_at = time.monotonic()
+        engine, request = self.target.engine, self.request
+        phase = ("request_body" if self.body is None or not self.body.complete
+                 else "before_first_byte" if self.upstream is None else "response_body")
+        if disconnect:
+            self.metrics.disconnects.labels(self.target.prefix, phase).inc()
+        ids: tuple[str, ...] = ()
+        if phase != "request_body":
+            ids = engine.engine_request_ids(request.method, request.path, self.id,
+                                            self.body.copy() if self.body else None)
+        if ids:
+            self.aborter.abort(engine, ids, self.id, noticed_at)
+        if self.upstream is not None:
+            self.upstream.close()
+        self.upstream_finished = True
+        log.info("request %s: %s during %s; upstream closed, %s", self.id, reason, phase,
+                 f"aborting {len(ids)} engine id(s)" if ids else "nothing to abort")
+
+    def _fail(self, exc: UpstreamError) -> web.Response:
+        kind = type(exc).__name__.removeprefix("Upstream")
+        self.metrics.upstream_errors.labels(self.target.engine.name, kind).inc()
+        log.warning("request %s: %s", self.id, exc)
+        if isinstance(exc, UpstreamFirstByteTimeout):
+            # The engine may still be queuing or generating for nobody: abort it.
+            self._stop("first-byte timeout", disconnect=False)
+        self.upstream_finished = True
+        return error_response(exc.status, str(exc), exc.error_type, self.id)
+
+    def _broken_mid_stream(self, response: web.StreamResponse,
+                           exc: aiohttp.ClientError) -> web.StreamResponse:
+        """The engine died after the response began: end it so the client sees it incomplete.
+
+        A chunked or length-delimited body is cut short (no final chunk / too few bytes); a
+        close-delimited one (HTTP/1.0) can only say so with a TCP reset.
+        """
+        self.upstream_finished = True
+        self.metrics.upstream_errors.labels(self.target.engine.name, "MidStream").inc()
+        log.warning("request %s: upstream broke mid-response: %s", self.id, exc)
+        assert self.upstream is not None
+        self.upstream.close()
+        transport = self.request.transport
+        if transport is not None:
+            delimited = (response.headers.get("Transfer-Encoding") == "chunked"
+                         or response.content_length is not None)
+            transport.close() if delimited else transport.abort()
+        return response
+
+
+async def handle(request: web.Request) -> web.StreamResponse:
+    """aiohttp handler for every path on the proxy listener."""
+    target = request.app[ROUTER].match(request.path)
+    if target is None:
+        return error_response(404, f"no route for path {json.dumps(request.path)}",
+                              "route_not_found")
+    metrics = request.app[METRICS]
+    exchange = Exchange(request, target, request.app[ABORTER], metrics)
+    in_flight = metrics.in_flight.labels(target.prefix)
+    in_flight.inc()
+    status_class = "disconnected"
+    try:
+        response = await exchange.run()
+        status_class = f"{response.status // 100}xx"
+        return response
+    except asyncio.CancelledError:
+        gone = request.transport is None or request.transport.is_closing()
+        exchange.cancel("client disconnected" if gone else "handler cancelled")
+        raise
+    except ConnectionResetError:
+        # A write found the client gone before the cancellation arrived.
+        exchange.cancel("client disconnected")
+        return web.Response(status=499)
+    finally:
+        exchange.close()
+        in_flight.dec()
+        metrics.requests.labels(target.prefix, status_class).inc()

@@ -1,0 +1,162 @@
+"""The upstream (engine) side of a hop: one pooled client session, the request body relay, and
+the translation of aiohttp's exceptions into :mod:`sidecar.errors`.
+
+Pooling rules: idle connections are kept ``keepalive_timeout_s`` (below the engine's own idle
+timeout); a response cut short is closed, never put back (the caller calls
+``ClientResponse.close()``); a request that fails on a stale pooled connection before any response
+byte arrived is sent once more on a fresh connection if its whole body was kept
+(``replay_buffer_bytes``). The session never decompresses, never follows redirects, keeps no
+cookies and ignores proxy environment variables: it is a transparent hop.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import AsyncIterator, Mapping
+
+import aiohttp
+from multidict import CIMultiDict
+from yarl import URL
+
+from sidecar.config import UpstreamSettings
+from sidecar.errors import (
+    UpstreamConnectError,
+    UpstreamConnectTimeout,
+    UpstreamFirstByteTimeout,
+    UpstreamProtocolError,
+)
+
+log = logging.getLogger(__name__)
+
+# aiohttp adds these to every request unless told not to; a transparent hop must not.
+_SKIP_AUTO_HEADERS = ("Accept", "Accept-Encoding", "User-Agent", "Content-Type")
+
+
+def make_session(settings: UpstreamSettings, *, fresh: bool = False) -> aiohttp.ClientSession:
+    """The upstream client session. ``fresh=True`` gives one whose connections are never reused
+    (for the single re-send after a stale pooled connection)."""
+    connector = aiohttp.TCPConnector(
+        limit=settings.max_connections,
+        limit_per_host=0,
+        keepalive_timeout=None if fresh else settings.keepalive_timeout_s,
+        force_close=fresh,
+        enable_cleanup_closed=False,
+    )
+    return aiohttp.ClientSession(
+        connector=connector,
+        timeout=aiohttp.ClientTimeout(total=None, sock_connect=settings.connect_timeout_s),
+        auto_decompress=False,
+        cookie_jar=aiohttp.DummyCookieJar(),
+        skip_auto_headers=_SKIP_AUTO_HEADERS,
+        trust_env=False,
+    )
+
+
+class RequestBody:
+    """Relays the downstream request body upstream chunk by chunk, keeping a bounded copy.
+
+    The copy (at most ``keep_limit`` bytes) serves the re-send after a stale connection and the
+    engine adapter's id derivation. ``complete`` turns true once the last byte went upstream.
+    """
+
+    def __init__(self, content: aiohttp.StreamReader | None, keep_limit: int) -> None:
+        self._content = content
+        self._kept: list[bytes] | None = []
+        self._kept_bytes = 0
+        self._keep_limit = keep_limit
+        self.complete = content is None
+
+    @property
+    def replayable(self) -> bool:
+        """True if the whole body was read and kept, so it can be sent again."""
+        return self.complete and self._kept is not None
+
+    def copy(self) -> bytes | None:
+        """The whole body if it was read completely and fit the limit, else ``None``."""
+        return b"".join(self._kept) if self.replayable and self._kept is not None else None
+
+    def drop_copy(self) -> None:
+        self._kept = None
+
+    def payload(self) -> AsyncIterator[bytes] | None:
+        """What to hand aiohttp as ``data``: ``None`` without a body, else a chunk iterator.
+        Once the body is complete, a further call replays the kept copy."""
+        if self._content is None:
+            return None
+        if self.complete:
+            return self._replay()
+        return self._relay(self._content)
+
+    async def _replay(self) -> AsyncIterator[bytes]:
+        for chunk in self._kept or ():
+            yield chunk
+
+    async def _relay(self, content: aiohttp.StreamReader) -> AsyncIterator[bytes]:
+        while chunk := await content.readany():
+            if self._kept is not None:
+                self._kept_bytes += len(chunk)
+                if self._kept_bytes <= self._keep_limit:
+                    self._kept.append(chunk)
+                else:
+                    self._kept = None
+            yield chunk
+        self.complete = True
+
+
+async def open_upstream(
+    sessions: tuple[aiohttp.ClientSession, aiohttp.ClientSession],
+    settings: UpstreamSettings,
+    method: str,
+    url: URL,
+    headers: CIMultiDict[str],
+    body: RequestBody,
+    request_id: str,
+) -> aiohttp.ClientResponse:
+    """Send the request upstream and return once its response headers arrived.
+
+    ``sessions`` is (pooled, fresh). Raises :class:`UpstreamConnectError`,
+    :class:`UpstreamConnectTimeout`, :class:`UpstreamFirstByteTimeout` or
+    :class:`UpstreamProtocolError`. Cancellation propagates untouched; aiohttp then closes the
+    half-used connection itself.
+    """
+    pooled, fresh = sessions
+    session = pooled
+    while True:
+        try:
+            async with asyncio.timeout(settings.first_byte_timeout_s):
+                return await session.request(
+                    method, url, headers=headers, data=body.payload(),
+                    allow_redirects=False, compress=None,
+                )
+        except aiohttp.ConnectionTimeoutError as exc:
+            raise UpstreamConnectTimeout(
+                f"no connection to {url.origin()} within {settings.connect_timeout_s}s") from exc
+        except aiohttp.ClientConnectorError as exc:
+            raise UpstreamConnectError(f"cannot connect to {url.origin()}: {exc.os_error}") from exc
+        except (aiohttp.ServerDisconnectedError, aiohttp.ClientOSError) as exc:
+            if session is pooled and body.replayable:
+                log.info("request %s: upstream connection dropped before the response (%s); "
+                         "sending again on a fresh connection", request_id, exc)
+                session = fresh
+                continue
+            raise UpstreamProtocolError(
+                f"{url.origin()} closed the connection before responding: {exc}") from exc
+        except aiohttp.ClientResponseError as exc:
+            raise UpstreamProtocolError(
+                f"{url.origin()} sent a malformed response: {exc.message}") from exc
+        except TimeoutError as exc:
+            raise UpstreamFirstByteTimeout(
+                f"no response from {url.origin()} within {settings.first_byte_timeout_s}s"
+            ) from exc
+
+
+def upstream_url(base_url: str, raw_path: str) -> URL:
+    """``base_url`` + the downstream request's raw path and query, bytes unchanged."""
+    return URL(base_url + raw_path, encoded=True)
+
+
+def content_length(headers: Mapping[str, str]) -> int | None:
+    """The response's Content-Length as an int, or ``None`` if absent or malformed."""
+    value = headers.get("Content-Length")
+    return int(value) if value is not None and value.isdigit() else None

@@ -1,0 +1,79 @@
+"""Shared fixtures: a fake engine and the sidecar, both real servers on 127.0.0.1.
+
+The sidecar runs through :func:`sidecar.server.start`, the production wiring the CLI uses
+(``AppRunner`` with handler cancellation on), never through aiohttp's test client. The event
+loop is uvloop's, as in production.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator, Callable
+from typing import Any
+
+import pytest
+import pytest_asyncio
+import uvloop
+import yaml
+from prometheus_client import CollectorRegistry
+
+from sidecar import server
+from sidecar.config import Settings, parse_config
+from tests.fake_engine import FakeEngine
+
+
+def pytest_asyncio_loop_factories(config: pytest.Config, item: pytest.Item
+                                   ) -> dict[str, Callable[[], asyncio.AbstractEventLoop]]:
+    """Run every async test on uvloop, the loop production uses."""
+    return {"uvloop": uvloop.new_event_loop}
+
+
+@pytest_asyncio.fixture
+async def engine() -> AsyncIterator[FakeEngine]:
+    fake = FakeEngine()
+    await fake.start()
+    yield fake
+    await fake.stop()
+
+
+def sidecar_settings(engine_url: str, **overrides: Any) -> Settings:
+    """A config for one vLLM-kind engine at ``engine_url``, free ports; ``overrides`` are merged
+    into the YAML tree (e.g. ``upstream={"first_byte_timeout_s": 0.5}``)."""
+    tree: dict[str, Any] = {
+        "listen": {"host": "127.0.0.1", "port": 0},
+        "admin": {"host": "127.0.0.1", "port": 0},
+        "engines": {"local": {"kind": "vllm", "url": engine_url,
+                              "abort": {"api_key": "sekret-key", "timeout_s": 2.0}}},
+        "routes": [{"prefix": "/", "engine": "local"}],
+    }
+    for key, value in overrides.items():
+        if isinstance(value, dict) and isinstance(tree.get(key), dict):
+            tree[key] = {**tree[key], **value}
+        else:
+            tree[key] = value
+    return parse_config(yaml.safe_dump(tree), "<test>", env={})
+
+
+SidecarFactory = Callable[..., "asyncio.Future[server.Servers]"]
+
+
+@pytest_asyncio.fixture
+async def start_sidecar() -> AsyncIterator[Callable[..., Any]]:
+    """Factory: ``await start_sidecar(settings)`` -> running :class:`server.Servers`."""
+    running: list[server.Servers] = []
+
+    async def start(settings: Settings, registry: CollectorRegistry | None = None
+                    ) -> server.Servers:
+        servers = await server.start(settings, registry or CollectorRegistry())
+        running.append(servers)
+        return servers
+
+    yield start
+    for servers in running:
+        await servers.stop()
+
+
+@pytest_asyncio.fixture
+async def sidecar(engine: FakeEngine, start_sidecar: Callable[..., Any]) -> server.Servers:
+    servers: server.Servers = await start_sidecar(sidecar_settings(engine.url))
+    return servers

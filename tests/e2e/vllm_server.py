@@ -1,0 +1,254 @@
+"""Start/stop a real vLLM OpenAI-compatible server (CPU) as a subprocess, read its metrics.
+
+Usage (from tests, repo root on sys.path)::
+
+    from tests.e2e.tiny_model import build_tiny_model
+    from tests.e2e.vllm_server import vllm_server, read_metrics
+
+    model = build_tiny_model(Path("/tmp/tiny-llama"))
+    with vllm_server(model, middleware=["tests.e2e.hide_disconnect.HideDisconnectMiddleware"]) as srv:
+        httpx.post(f"{srv.base_url}/v1/completions", ...)
+        m = read_metrics(srv.base_url)   # {"running": .., "waiting": .., "generation_tokens": ..}
+
+Command used::
+
+    python -m vllm.entrypoints.openai.api_server --model DIR --dtype float32 \
+        --max-model-len 1024 --enable-scale-out --host 127.0.0.1 --port P \
+        [--middleware X ...] [--api-key K]
+
+with env ``VLLM_CPU_KVCACHE_SPACE=1 HF_HUB_OFFLINE=1`` and ``PYTHONPATH`` prefixed with the
+repo root (so ``tests.e2e.hide_disconnect`` is importable by ``--middleware``).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Iterator, Sequence
+
+REPO_ROOT = Path(__file__).resolve().parents[2]
+HIDE_DISCONNECT_MIDDLEWARE = "tests.e2e.hide_disconnect.HideDisconnectMiddleware"
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    """Return a currently free TCP port on ``host``."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind((host, 0))
+        return s.getsockname()[1]
+
+
+@dataclass
+class VLLMServer:
+    """A running vLLM server subprocess."""
+
+    proc: subprocess.Popen
+    host: str
+    port: int
+    log_path: Path
+    api_key: str | None = None
+    start_seconds: float = 0.0
+    cmd: list[str] = field(default_factory=list)
+
+    @property
+    def base_url(self) -> str:
+        return f"http://{self.host}:{self.port}"
+
+    def auth_headers(self) -> dict[str, str]:
+        """``Authorization`` header for ``--api-key`` servers (empty dict otherwise)."""
+        return {"Authorization": f"Bearer {self.api_key}"} if self.api_key else {}
+
+    def log_text(self) -> str:
+        try:
+            return self.log_path.read_text(errors="replace")
+        except OSError:
+            return ""
+
+    def stop(self, timeout: float = 20.0) -> None:
+        """SIGTERM the whole process group, then SIGKILL after ``timeout`` seconds."""
+        stop_process_group(self.proc, timeout=timeout)
+
+
+def stop_process_group(proc: subprocess.Popen, timeout: float = 20.0) -> None:
+    """Stop ``proc`` and its process group: SIGTERM, wait ``timeout``, then SIGKILL."""
+    if proc.poll() is None:
+        try:
+            pgid = os.getpgid(proc.pid)
+        except ProcessLookupError:
+            pgid = None
+        if pgid is not None:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(pgid, signal.SIGTERM)
+            try:
+                proc.wait(timeout=timeout)
+            except subprocess.TimeoutExpired:
+                pass
+            # Kill whatever is left in the group (engine core children too).
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(pgid, signal.SIGKILL)
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            proc.wait(timeout=5)
+    else:
+        # Leader is gone; children may still hold the group.
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.killpg(proc.pid, signal.SIGKILL)
+
+
+def _http_status(url: str, timeout: float = 2.0) -> int | None:
+    try:
+        with urllib.request.urlopen(url, timeout=timeout) as r:
+            return r.status
+    except urllib.error.HTTPError as e:
+        return e.code
+    except (urllib.error.URLError, OSError):
+        return None
+
+
+def start_vllm_server(
+    model_dir: Path,
+    *,
+    log_path: Path | None = None,
+    host: str = "127.0.0.1",
+    port: int | None = None,
+    max_model_len: int = 1024,
+    middleware: Sequence[str] = (),
+    api_key: str | None = None,
+    enable_scale_out: bool = True,
+    extra_args: Sequence[str] = (),
+    extra_env: dict[str, str] | None = None,
+    startup_timeout: float = 180.0,
+    python: str = sys.executable,
+) -> VLLMServer:
+    """Start vLLM on ``host:port`` (free port if None) and wait until ``GET /health`` is 200.
+
+    Raises ``RuntimeError`` (with the log tail) if the process dies or the timeout passes;
+    the process group is stopped in that case.
+    """
+    port = port or free_port(host)
+    log_path = Path(log_path) if log_path else Path(f"/tmp/vllm-server-{port}.log")
+    cmd = [
+        python, "-m", "vllm.entrypoints.openai.api_server",
+        "--model", str(model_dir),
+        "--dtype", "float32",
+        "--max-model-len", str(max_model_len),
+        "--host", host,
+        "--port", str(port),
+    ]
+    if enable_scale_out:
+        cmd.append("--enable-scale-out")
+    for m in middleware:
+        cmd += ["--middleware", m]
+    if api_key:
+        cmd += ["--api-key", api_key]
+    cmd += list(extra_args)
+
+    env = dict(os.environ)
+    env.update({
+        "VLLM_CPU_KVCACHE_SPACE": "1",
+        "HF_HUB_OFFLINE": "1",
+        "TRANSFORMERS_OFFLINE": "1",
+        "VLLM_NO_USAGE_STATS": "1",
+        "DO_NOT_TRACK": "1",
+    })
+    env["PYTHONPATH"] = os.pathsep.join(
+        p for p in (str(REPO_ROOT), env.get("PYTHONPATH", "")) if p
+    )
+    if extra_env:
+        env.update(extra_env)
+
+    log_f = open(log_path, "wb")
+    t0 = time.monotonic()
+    proc = subprocess.Popen(
+        cmd, cwd=str(REPO_ROOT), env=env, stdout=log_f, stderr=subprocess.STDOUT,
+        stdin=subprocess.DEVNULL, start_new_session=True,
+    )
+    log_f.close()
+    server = VLLMServer(proc=proc, host=host, port=port, log_path=log_path,
+                        api_key=api_key, cmd=cmd)
+    deadline = t0 + startup_timeout
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            tail = server.log_text()[-4000:]
+            raise RuntimeError(f"vLLM exited with {proc.returncode} during startup:\n{tail}")
+        if _http_status(f"{server.base_url}/health") == 200:
+            server.start_seconds = time.monotonic() - t0
+            return server
+        time.sleep(0.5)
+    server.stop()
+    raise RuntimeError(
+        f"vLLM not healthy after {startup_timeout}s:\n{server.log_text()[-4000:]}"
+    )
+
+
+@contextlib.contextmanager
+def vllm_server(model_dir: Path, **kwargs) -> Iterator[VLLMServer]:
+    """Context manager around :func:`start_vllm_server`; always stops the process group."""
+    server = start_vllm_server(model_dir, **kwargs)
+    try:
+        yield server
+    finally:
+        server.stop()
+
+
+METRIC_NAMES = {
+    "running": "vllm:num_requests_running",
+    "waiting": "vllm:num_requests_waiting",
+    "generation_tokens": "vllm:generation_tokens_total",
+}
+
+
+def parse_metrics(text: str) -> dict[str, float]:
+    """Parse Prometheus text; return running/waiting/generation_tokens summed over labels."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    out = {k: 0.0 for k in METRIC_NAMES}
+    by_sample = {v: k for k, v in METRIC_NAMES.items()}
+    for family in text_string_to_metric_families(text):
+        for s in family.samples:
+            key = by_sample.get(s.name)
+            if key is not None:
+                out[key] += float(s.value)
+    return out
+
+
+def read_metrics(base_url: str, headers: dict[str, str] | None = None,
+                 timeout: float = 5.0) -> dict[str, float]:
+    """GET ``{base_url}/metrics`` and return ``{"running", "waiting", "generation_tokens"}``.
+
+    Values are sums over all label sets of ``vllm:num_requests_running``,
+    ``vllm:num_requests_waiting`` and ``vllm:generation_tokens_total``.
+    """
+    req = urllib.request.Request(f"{base_url}/metrics", headers=headers or {})
+    with urllib.request.urlopen(req, timeout=timeout) as r:
+        return parse_metrics(r.read().decode())
+
+
+def wait_for_metric(base_url: str, key: str, predicate, timeout: float = 10.0,
+                    interval: float = 0.05, headers: dict[str, str] | None = None
+                    ) -> tuple[bool, float, dict[str, float]]:
+    """Poll metrics until ``predicate(metrics[key])``; return (ok, elapsed_s, last_metrics)."""
+    t0 = time.monotonic()
+    m = read_metrics(base_url, headers)
+    while not predicate(m[key]):
+        if time.monotonic() - t0 > timeout:
+            return False, time.monotonic() - t0, m
+        time.sleep(interval)
+        m = read_metrics(base_url, headers)
+    return True, time.monotonic() - t0, m
+
+
+if __name__ == "__main__":  # manual smoke: python -m tests.e2e.vllm_server MODEL_DIR
+    from tests.e2e.tiny_model import build_tiny_model
+
+    model = build_tiny_model(Path(sys.argv[1] if len(sys.argv) > 1 else "/tmp/tiny-llama"))
+    with vllm_server(model, middleware=[HIDE_DISCONNECT_MIDDLEWARE]) as srv:
+        print(f"up at {srv.base_url} in {srv.start_seconds:.1f}s; log {srv.log_path}")
+        print(read_metrics(srv.base_url))
