@@ -51,6 +51,16 @@ class EngineAdapter(abc.ABC):
     def tag(self, path: str, sidecar_id: str, headers: MutableMapping[str, str]) -> None:
         """Make the engine use ids derived from ``sidecar_id``: edit the upstream ``headers``."""
 
+    def rewrites_body(self, method: str, path: str) -> bool:
+        """True if the engine takes its request id from the body on this route, so the body must
+        be read whole and passed through :meth:`rewrite_body` before it goes upstream."""
+        return False
+
+    def rewrite_body(self, method: str, path: str, sidecar_id: str, body: bytes) -> bytes | None:
+        """The body to send upstream instead of ``body``, or ``None`` to send it unchanged (e.g.
+        not a JSON object: the engine will reject it itself). Never raises on bad input."""
+        return None
+
     @abc.abstractmethod
     def wants_body(self, method: str, path: str) -> bool:
         """True if :meth:`engine_request_ids` needs a copy of the request body for this route."""

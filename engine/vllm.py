@@ -6,19 +6,32 @@ Facts (vLLM 0.32, read in the installed source and proven on a real engine by ``
   ``request_id`` (``vllm/entrypoints/serve/engine/serving.py``, ``_base_request_id``). The
   sidecar always overwrites that header with its own id, so a client can never choose the id
   an abort names.
-- Engine request ids per route (the ``_base_request_id`` call sites):
+- Engine request ids per route, with ``{id}`` the sidecar request id (``tests/e2e/
+  VLLM_FACTS_CHECKED.md`` has the source function of each and how it was proven on a real engine):
 
-  ===============================  ==========================  =====================================
-  route                            engine request ids          source
-  ===============================  ==========================  =====================================
-  ``POST /v1/chat/completions``    ``chatcmpl-{id}``           ``openai/chat_completion/serving.py``
-  ``POST /v1/completions``         ``cmpl-{id}-{i}``, i < P    ``openai/completion/serving.py``
-  ``POST /inference/v1/generate``  ``generate-tokens-{id}``    ``scale_out/token_in_token_out/serving.py``
-  ===============================  ==========================  =====================================
+  ================================  ==============================  ===============================
+  route (POST)                      engine request ids              source (``vllm/entrypoints/``)
+  ================================  ==============================  ===============================
+  ``/v1/chat/completions``          ``chatcmpl-{id}``               ``openai/chat_completion/
+                                                                    serving.py``
+  ``/v1/chat/completions/batch``    ``chatcmpl-{id}_{i}``, i < C    ``openai/chat_completion/
+                                                                    batch_serving.py``
+  ``/v1/completions``               ``cmpl-{id}-{i}``, i < P        ``openai/completion/serving.py``
+  ``/v1/messages``                  ``chatcmpl-{id}``               ``anthropic/serving.py``
+  ``/v1/responses``                 ``resp_{id}_0`` (body rewrite)  ``openai/responses/serving.py``
+  ``/inference/v1/generate``        ``generate-tokens-{id}``        ``scale_out/token_in_token_out/
+                                                                    serving.py``
+  ``/invocations``                  as chat if the body has         ``serve/sagemaker/
+                                    ``messages``, else completions  api_router.py``
+  ================================  ==============================  ===============================
 
-  P is the number of prompts: one for a string or a list of token ids, ``len(prompt)`` for a
-  list of strings or of token-id lists, plus one per ``prompt_embeds`` entry. ``n > 1`` children
-  share their parent's id, so one id aborts them all.
+  C is the number of conversations in ``messages``. P is the number of prompts: one for a string
+  or a list of token ids, ``len(prompt)`` for a list of strings or of token-id lists, plus one per
+  ``prompt_embeds`` entry. ``n > 1`` children share their parent's id, so one id aborts them all.
+  ``/v1/responses`` ignores the header and takes the body field ``request_id`` (suffixed with the
+  turn number), so the sidecar overwrites that field with ``resp_{id}``; built-in tool turns after
+  the first (``_1``, ...) are not named. Not abortable by id: beam search (vLLM adds random
+  suffixes), ``/v1/realtime``; the upstream close is all the sidecar can do for them.
 - The abort endpoint exists only when vLLM runs with ``--enable-scale-out``; otherwise it answers
   403. It answers 200 at once and ignores unknown ids. It is guarded by ``--api-key``.
 - Never send an empty id list: the dev-mode route ``/abort_requests`` reads that as "abort all".
@@ -67,26 +80,53 @@ def _parse_json(body: bytes | None) -> Any:
         return None
 
 
-def _chat(sid: str, body: bytes | None) -> tuple[str, ...]:
+def _chat(sid: str, body: Any) -> tuple[str, ...]:
     return (f"chatcmpl-{sid}",)
 
 
-def _completions(sid: str, body: bytes | None) -> tuple[str, ...]:
-    return tuple(f"cmpl-{sid}-{i}" for i in range(count_prompts(_parse_json(body))))
+def _chat_batch(sid: str, body: Any) -> tuple[str, ...]:
+    messages = body.get("messages") if isinstance(body, dict) else None
+    count = len(messages) if isinstance(messages, list) and messages else 1
+    return tuple(f"chatcmpl-{sid}_{i}" for i in range(count))
 
 
-def _generate(sid: str, body: bytes | None) -> tuple[str, ...]:
+def _completions(sid: str, body: Any) -> tuple[str, ...]:
+    return tuple(f"cmpl-{sid}-{i}" for i in range(count_prompts(body)))
+
+
+def _responses(sid: str, body: Any) -> tuple[str, ...]:
+    return (f"resp_{sid}_0",)
+
+
+def _generate(sid: str, body: Any) -> tuple[str, ...]:
     return (f"generate-tokens-{sid}",)
 
 
-IdRule = Callable[[str, bytes | None], tuple[str, ...]]
+def _invocations(sid: str, body: Any) -> tuple[str, ...]:
+    # SageMaker: vLLM tries ChatCompletionRequest first, then CompletionRequest
+    # (generate/factories.py: get_generate_invocation_types).
+    if isinstance(body, dict) and "messages" in body:
+        return _chat(sid, body)
+    if isinstance(body, dict) and ("prompt" in body or "prompt_embeds" in body):
+        return _completions(sid, body)
+    return ()
 
-# path -> (needs the body?, rule). Only POSTs generate.
+
+# The parsed JSON body (None if absent, too large or not JSON) -> engine request ids.
+IdRule = Callable[[str, Any], tuple[str, ...]]
+
+# POST path -> (needs the body?, rule). Only POSTs generate.
 ROUTES: dict[str, tuple[bool, IdRule]] = {
     "/v1/chat/completions": (False, _chat),
+    "/v1/chat/completions/batch": (True, _chat_batch),
     "/v1/completions": (True, _completions),
+    "/v1/messages": (False, _chat),
+    "/v1/responses": (False, _responses),
     "/inference/v1/generate": (False, _generate),
+    "/invocations": (True, _invocations),
 }
+
+RESPONSES_PATH = "/v1/responses"
 
 
 class VLLMAdapter(EngineAdapter):
@@ -106,7 +146,21 @@ class VLLMAdapter(EngineAdapter):
         self, method: str, path: str, sidecar_id: str, body: bytes | None
     ) -> tuple[str, ...]:
         rule = ROUTES.get(path) if method == "POST" else None
-        return rule[1](sidecar_id, body) if rule is not None else ()
+        if rule is None:
+            return ()
+        return rule[1](sidecar_id, _parse_json(body) if rule[0] else None)
+
+    def rewrites_body(self, method: str, path: str) -> bool:
+        return method == "POST" and path == RESPONSES_PATH
+
+    def rewrite_body(self, method: str, path: str, sidecar_id: str, body: bytes) -> bytes | None:
+        """``/v1/responses``: set ``request_id`` to ``resp_{sidecar_id}``, replacing any value
+        the client sent (it must never choose the id an abort names)."""
+        parsed = _parse_json(body)
+        if not isinstance(parsed, dict):
+            return None
+        parsed["request_id"] = f"resp_{sidecar_id}"
+        return json.dumps(parsed, separators=(",", ":")).encode()
 
     def abort_calls(self, ids: tuple[str, ...]) -> list[AbortCall]:
         if not ids:

@@ -1,4 +1,4 @@
-"""Config: YAML -> ``${VAR}`` expansion -> validated models -> cross-reference pass -> frozen ``Config``.
+"""Config: YAML -> ``${VAR}`` expansion -> validated models -> cross-references -> frozen settings.
 
 Every problem is collected, located by a dotted path (``engines.local.abort.timeout_s``) and
 raised together as one :class:`~sidecar.errors.ConfigError`; ``cancel-sidecar --check-config``
@@ -163,7 +163,8 @@ _SECRET_KEYS = frozenset({"api_key"})
 def _expand(node: Any, env: Mapping[str, str], loc: str, problems: list[ConfigProblem]) -> Any:
     """Replace ``${VAR}`` and ``${VAR:-default}`` in every string of the YAML tree."""
     if isinstance(node, dict):
-        return {k: _expand(v, env, f"{loc}.{k}" if loc else str(k), problems) for k, v in node.items()}
+        return {k: _expand(v, env, f"{loc}.{k}" if loc else str(k), problems)
+                for k, v in node.items()}
     if isinstance(node, list):
         return [_expand(v, env, f"{loc}.{i}", problems) for i, v in enumerate(node)]
     if not isinstance(node, str):
@@ -215,10 +216,8 @@ def _cross_reference(raw: dict[str, Any]) -> list[ConfigProblem]:
             seen.setdefault(prefix, i)
     listen, admin = raw.get("listen"), raw.get("admin")
     if isinstance(listen, dict) and isinstance(admin, dict):
-        host = lambda d: d.get("host", "127.0.0.1")  # noqa: E731
-        if (host(listen), listen.get("port")) == (host(admin), admin.get("port")) and admin.get(
-            "port"
-        ):
+        here = (listen.get("host", "127.0.0.1"), listen.get("port"))
+        if admin.get("port") and (admin.get("host", "127.0.0.1"), admin.get("port")) == here:
             problems.append(ConfigProblem(
                 "admin.port", "must differ from listen.port on the same host",
                 repr(admin.get("port"))))

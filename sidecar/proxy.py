@@ -16,11 +16,14 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import socket
+import struct
 import time
 import uuid
 
 import aiohttp
 from aiohttp import web
+from multidict import CIMultiDict
 
 from sidecar.abort import Aborter
 from sidecar.errors import UpstreamError, UpstreamFirstByteTimeout
@@ -34,6 +37,7 @@ log = logging.getLogger(__name__)
 
 REQUEST_ID = "X-Request-Id"
 CLIENT_REQUEST_ID = "X-Client-Request-Id"
+_LINGER_RESET = struct.pack("ii", 1, 0)  # SO_LINGER on, 0 s: close() sends RST
 
 
 def error_response(status: int, message: str, error_type: str,
@@ -69,7 +73,12 @@ class Exchange:
             headers[CLIENT_REQUEST_ID] = client_id[0]
         engine.tag(request.path, self.id, headers)
         keep = settings.replay_buffer_bytes
-        self.body = RequestBody(request.content if request.body_exists else None, keep)
+        if not request.body_exists:
+            self.body = RequestBody(None, keep)
+        elif engine.rewrites_body(request.method, request.path):
+            self.body = await self._rewritten_body(headers, keep)
+        else:
+            self.body = RequestBody(request.content, keep)
 
         started = time.monotonic()
         try:
@@ -101,6 +110,28 @@ class Exchange:
         upstream.release()
         await response.write_eof()
         return response
+
+    async def _rewritten_body(self, headers: CIMultiDict[str], limit: int) -> RequestBody:
+        """Read the body whole (up to ``limit`` bytes) and let the engine adapter rewrite it.
+
+        A larger body is relayed unchanged after what was read: the engine then picks its own
+        request id, so this request cannot be aborted by id (logged).
+        """
+        request, engine = self.request, self.target.engine
+        chunks: list[bytes] = []
+        size = 0
+        while size <= limit and (chunk := await request.content.readany()):
+            chunks.append(chunk)
+            size += len(chunk)
+        if not request.content.at_eof():
+            log.warning("request %s: body over %d bytes not rewritten; the engine picks its own "
+                        "request id and cannot be aborted", self.id, limit)
+            return RequestBody(request.content, limit, chunks)
+        body = b"".join(chunks)
+        new = engine.rewrite_body(request.method, request.path, self.id, body)
+        if new is not None:
+            headers["Content-Length"] = str(len(new))
+        return RequestBody.of(body if new is None else new)
 
     def cancel(self, reason: str) -> None:
         """The client is gone (or the sidecar is stopping): close upstream, abort the engine."""
@@ -158,7 +189,14 @@ class Exchange:
         if transport is not None:
             delimited = (response.headers.get("Transfer-Encoding") == "chunked"
                          or response.content_length is not None)
-            transport.close() if delimited else transport.abort()
+            if delimited:
+                transport.close()
+            else:
+                # abort() alone sends a FIN, which reads as a complete body: force a reset.
+                sock = transport.get_extra_info("socket")
+                if sock is not None:
+                    sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, _LINGER_RESET)
+                transport.abort()
         return response
 
 

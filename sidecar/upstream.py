@@ -4,9 +4,10 @@ the translation of aiohttp's exceptions into :mod:`sidecar.errors`.
 Pooling rules: idle connections are kept ``keepalive_timeout_s`` (below the engine's own idle
 timeout); a response cut short is closed, never put back (the caller calls
 ``ClientResponse.close()``); a request that fails on a stale pooled connection before any response
-byte arrived is sent once more on a fresh connection if its whole body was kept
-(``replay_buffer_bytes``). The session never decompresses, never follows redirects, keeps no
-cookies and ignores proxy environment variables: it is a transparent hop.
+byte arrived is sent once more on a fresh connection if every body byte read so far was kept
+(``replay_buffer_bytes``): the kept bytes are replayed, then the rest is relayed. The session
+never decompresses, never follows redirects, keeps no cookies and ignores proxy environment
+variables: it is a transparent hop.
 """
 
 from __future__ import annotations
@@ -60,17 +61,29 @@ class RequestBody:
     engine adapter's id derivation. ``complete`` turns true once the last byte went upstream.
     """
 
-    def __init__(self, content: aiohttp.StreamReader | None, keep_limit: int) -> None:
+    def __init__(self, content: aiohttp.StreamReader | None, keep_limit: int,
+                 prefix: list[bytes] | None = None) -> None:
         self._content = content
-        self._kept: list[bytes] | None = []
-        self._kept_bytes = 0
+        self._kept: list[bytes] | None = list(prefix or ())
+        self._kept_bytes = sum(map(len, self._kept))
         self._keep_limit = keep_limit
-        self.complete = content is None
+        self.complete = content is None or content.at_eof()
+
+    @classmethod
+    def of(cls, body: bytes) -> RequestBody:
+        """A body already complete in memory (e.g. rewritten by an engine adapter)."""
+        return cls(None, len(body), [body])
 
     @property
     def replayable(self) -> bool:
         """True if the whole body was read and kept, so it can be sent again."""
         return self.complete and self._kept is not None
+
+    @property
+    def resendable(self) -> bool:
+        """True if every byte read so far was kept: a re-send replays those, then relays the
+        rest. (A write that failed on a stale connection may stop before the relay saw EOF.)"""
+        return self._kept is not None
 
     def copy(self) -> bytes | None:
         """The whole body if it was read completely and fit the limit, else ``None``."""
@@ -82,10 +95,9 @@ class RequestBody:
     def payload(self) -> AsyncIterator[bytes] | None:
         """What to hand aiohttp as ``data``: ``None`` without a body, else a chunk iterator.
         Once the body is complete, a further call replays the kept copy."""
-        if self._content is None:
-            return None
         if self.complete:
-            return self._replay()
+            return self._replay() if self._kept else None
+        assert self._content is not None
         return self._relay(self._content)
 
     async def _replay(self) -> AsyncIterator[bytes]:
@@ -93,6 +105,8 @@ class RequestBody:
             yield chunk
 
     async def _relay(self, content: aiohttp.StreamReader) -> AsyncIterator[bytes]:
+        for chunk in list(self._kept or ()):  # a re-send: what the failed attempt already read
+            yield chunk
         while chunk := await content.readany():
             if self._kept is not None:
                 self._kept_bytes += len(chunk)
@@ -135,7 +149,7 @@ async def open_upstream(
         except aiohttp.ClientConnectorError as exc:
             raise UpstreamConnectError(f"cannot connect to {url.origin()}: {exc.os_error}") from exc
         except (aiohttp.ServerDisconnectedError, aiohttp.ClientOSError) as exc:
-            if session is pooled and body.replayable:
+            if session is pooled and body.resendable:
                 log.info("request %s: upstream connection dropped before the response (%s); "
                          "sending again on a fresh connection", request_id, exc)
                 session = fresh

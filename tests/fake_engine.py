@@ -10,6 +10,8 @@ which the sidecar forwards untouched:
 - ``first_byte_delay`` (seconds before the response headers)
 - ``die_after`` (events) with ``die=fin|rst``: the engine dies mid-stream
 - ``chunk`` (bytes): for ``/bytes``, the body size
+- ``hold`` (seconds), on any route: wait this long before the handler runs (a slow
+  non-generating route such as ``GET /v1/models``)
 
 Everything it sees is recorded on :class:`EngineRecord` for the test to inspect, with events a
 test can await instead of sleeping.
@@ -18,13 +20,17 @@ test can await instead of sleeping.
 from __future__ import annotations
 
 import asyncio
+import gzip
+import hashlib
 import json
 import socket
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
 from aiohttp import web
+from multidict import CIMultiDict, CIMultiDictProxy
 
 ABORT_PATH = "/inference/v1/abort_requests"
 
@@ -93,6 +99,8 @@ class FakeEngine:
         self.app.router.add_route("*", "/echo{tail:.*}", self.echo)
         self.app.router.add_get("/bytes", self.bytes_)
         self.app.router.add_get("/v1/models", self.models)
+        self._add_proxy_test_routes()
+        self._add_cancel_test_routes()
         self.runner: web.AppRunner | None = None
         self.port = 0
 
@@ -191,3 +199,188 @@ class FakeEngine:
             transport.abort()
         else:
             transport.close()
+
+    # Routes for tests/test_proxy.py: transparency checks that need more than /echo.
+
+    def _add_proxy_test_routes(self) -> None:
+        self.peers: list[int] = []  # upstream-side client port of every /peer* request, in order
+        self.sink_first_chunk = asyncio.Event()  # /sink read its first body bytes
+        self.peer_stream_closed = asyncio.Event()  # a /peer_stream connection went away early
+        self.app.router.add_route("*", "/sink", self.sink)
+        self.app.router.add_route("*", "/status/{code:\\d+}", self.status)
+        self.app.router.add_get("/gzip", self.gzip_)
+        self.app.router.add_route("*", "/peer", self.peer)
+        self.app.router.add_get("/peer_stream", self.peer_stream)
+
+    def _peer(self, request: web.Request) -> int:
+        assert request.transport is not None
+        port = int(request.transport.get_extra_info("peername")[1])
+        self.peers.append(port)
+        return port
+
+    async def sink(self, request: web.Request) -> web.Response:
+        """Reads the body as it streams in; answers its length, SHA-256 and request headers."""
+        digest = hashlib.sha256()
+        size = 0
+        while chunk := await request.content.readany():
+            digest.update(chunk)
+            size += len(chunk)
+            self.sink_first_chunk.set()
+        return web.json_response({
+            "body_len": size, "sha256": digest.hexdigest(),
+            "headers": [[k, v] for k, v in request.headers.items()],
+        })
+
+    async def status(self, request: web.Request) -> web.Response:
+        """``/status/{code}``: that status, a custom header, two Set-Cookie fields, a body."""
+        code = int(request.match_info["code"])
+        headers = CIMultiDict([("X-Custom", "custom value"), ("Set-Cookie", "a=1; Path=/"),
+                               ("Set-Cookie", "b=2; HttpOnly"), ("Content-Type", "text/plain")])
+        body = None if code in (204, 304) else f"status {code} body\n".encode()
+        return web.Response(status=code, body=body, headers=headers)
+
+    async def gzip_(self, request: web.Request) -> web.StreamResponse:
+        """:func:`gzip_body` as ``Content-Encoding: gzip``, chunked in three writes (or with a
+        Content-Length if ``?chunked=0``); ``X-Seen-Accept-Encoding`` says what the engine got."""
+        body = gzip_body()
+        response = web.StreamResponse(headers={
+            "Content-Encoding": "gzip", "Content-Type": "application/json",
+            "X-Seen-Accept-Encoding": request.headers.get("Accept-Encoding", "<none>")})
+        if request.query.get("chunked") == "0":
+            response.content_length = len(body)
+        await response.prepare(request)
+        third = len(body) // 3
+        for part in (body[:third], body[third:2 * third], body[2 * third:]):
+            await response.write(part)
+        await response.write_eof()
+        return response
+
+    async def peer(self, request: web.Request) -> web.Response:
+        await request.read()
+        return web.json_response({"peer": self._peer(request)})
+
+    async def peer_stream(self, request: web.Request) -> web.StreamResponse:
+        """SSE like the generate routes (``tokens``, ``interval``), with ``X-Upstream-Peer``."""
+        port = self._peer(request)
+        response = web.StreamResponse(headers={"Content-Type": "text/event-stream",
+                                               "X-Upstream-Peer": str(port)})
+        try:
+            await response.prepare(request)
+            for i in range(int(request.query.get("tokens", "20"))):
+                await response.write(_sse({"n": i}))
+                await asyncio.sleep(_float(request, "interval", 0.01))
+            await response.write(_sse("[DONE]"))
+            await response.write_eof()
+        except (asyncio.CancelledError, ConnectionResetError):
+            self.peer_stream_closed.set()
+            raise
+        return response
+
+
+    # Routes for tests/test_cancel.py: a middleware records every request (``self.watch``), and
+    # an abort endpoint that never answers.
+
+    def _add_cancel_test_routes(self) -> None:
+        self.watch = Watch()
+        self.app.middlewares.append(_watch_middleware(self.watch))
+        self.app.router.add_post(HANG_ABORT_PATH, self.hang_abort)
+
+    async def hang_abort(self, request: web.Request) -> web.Response:
+        """Records the abort call like :meth:`abort`, then never answers."""
+        raw = await request.read()
+        ids = json.loads(raw).get("request_ids", [])
+        self.record.aborts.append(AbortRecord(time.monotonic(), ids,
+                                              request.headers.get("Authorization"), raw))
+        self.record.abort_event.set()
+        await asyncio.Event().wait()
+        raise AssertionError("unreachable")
+
+
+def gzip_body() -> bytes:
+    """The exact bytes ``/gzip`` sends: a gzip member (mtime 0, so deterministic) of JSON."""
+    text = json.dumps({"text": "hello sidecar " * 4000}).encode()
+    return gzip.compress(text, compresslevel=6, mtime=0)
+
+
+# Recording and routes for tests/test_cancel.py: every request as the engine saw it, whatever
+# its route, and an abort endpoint that never answers.
+
+HANG_ABORT_PATH = "/hang/abort_requests"
+
+
+@dataclass
+class Seen:
+    """One request as it reached the engine (any route), recorded by the fake's middleware.
+
+    ``body_bytes`` is how many request body bytes had arrived when the handler ended or failed;
+    ``failed_at``/``error`` say the handler was cancelled or raised (e.g. the connection went
+    away while the engine was still reading the body).
+    """
+
+    method: str
+    path: str
+    request_id: str | None
+    headers: CIMultiDictProxy[str]
+    content_length: int | None
+    started: float
+    ended_at: float | None = None
+    failed_at: float | None = None
+    error: str | None = None
+    body_bytes: int = 0
+
+
+class Watch:
+    """What the engine saw on every route, with a way to await any condition over it."""
+
+    def __init__(self) -> None:
+        self.seen: list[Seen] = []
+        self._waiters: list[tuple[Callable[[], bool], asyncio.Future[None]]] = []
+
+    def changed(self) -> None:
+        for predicate, future in self._waiters:
+            if not future.done() and predicate():
+                future.set_result(None)
+
+    async def until(self, predicate: Callable[[], bool], within_s: float) -> bool:
+        """Wait until ``predicate()`` holds (checked whenever a request starts, ends or fails);
+        ``False`` if it still does not after ``within_s`` seconds."""
+        if predicate():
+            return True
+        waiter = (predicate, asyncio.get_running_loop().create_future())
+        self._waiters.append(waiter)
+        try:
+            await asyncio.wait_for(asyncio.shield(waiter[1]), within_s)
+            return True
+        except TimeoutError:
+            return predicate()
+        finally:
+            self._waiters.remove(waiter)
+            waiter[1].cancel()
+
+    def on(self, path: str) -> list[Seen]:
+        return [s for s in self.seen if s.path == path]
+
+
+def _watch_middleware(watch: Watch) -> Any:
+    @web.middleware
+    async def watch_requests(request: web.Request, handler: Any) -> web.StreamResponse:
+        seen = Seen(request.method, request.path, request.headers.get("X-Request-Id"),
+                    request.headers, request.content_length, time.monotonic())
+        watch.seen.append(seen)
+        watch.changed()
+        try:
+            if "hold" in request.query:
+                await asyncio.sleep(float(request.query["hold"]))
+            response = await handler(request)
+        except BaseException as exc:
+            seen.failed_at = time.monotonic()
+            seen.error = type(exc).__name__
+            seen.body_bytes = request.content.total_bytes
+            watch.changed()
+            raise
+        seen.ended_at = time.monotonic()
+        seen.body_bytes = request.content.total_bytes
+        watch.changed()
+        return response
+
+    return watch_requests

@@ -54,7 +54,7 @@ async def wait_running(c, base, hdrs, pred, timeout=10.0, interval=0.01) -> tupl
     t0 = time.monotonic()
     while True:
         m = await metrics(c, base, hdrs)
-        if pred(m["running"] + m["waiting"]) if False else pred(m["running"]):
+        if pred(m["running"]):
             return True, time.monotonic() - t0, m
         if time.monotonic() - t0 > timeout:
             return False, time.monotonic() - t0, m
@@ -321,17 +321,17 @@ def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--url")
     ap.add_argument("--only")
-    ap.add_argument("--model", default="/tmp/tiny-llama")
+    ap.add_argument("--model", default="/tmp/slow-llama-8k")
     a = ap.parse_args()
     global MODEL
     MODEL = a.model
     if a.url:
         return asyncio.run(main_async(a.url, a.only))
-    from tests.e2e.tiny_model import build_tiny_model
+    from tests.e2e.tiny_model import SLOW_MODEL_KWARGS, build_tiny_model
     from tests.e2e.vllm_server import HIDE_DISCONNECT_MIDDLEWARE, vllm_server
 
-    model = build_tiny_model(Path(a.model))
-    with vllm_server(model, middleware=[HIDE_DISCONNECT_MIDDLEWARE]) as srv:
+    model = build_tiny_model(Path(a.model), **SLOW_MODEL_KWARGS)
+    with vllm_server(model, max_model_len=8192, middleware=[HIDE_DISCONNECT_MIDDLEWARE]) as srv:
         return asyncio.run(main_async(srv.base_url, a.only))
 
 

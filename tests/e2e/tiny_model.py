@@ -33,6 +33,15 @@ CHAT_TEMPLATE = (
 )
 
 SPECIAL_TOKENS = ["<unk>", "<s>", "</s>", "<pad>"]
+
+# The default tiny model generates ~1000 tokens/s on 2 cores, so a max-length (1024)
+# generation lasts ~1 s, and at that rate the vLLM API server is often starved (HTTP calls,
+# including the abort, stall for seconds). For abort/disconnect tests use this bigger preset
+# (~100 tokens/s, 8k context) and serve it with ``max_model_len=8192``:
+#     build_tiny_model(Path("/tmp/slow-llama-8k"), **SLOW_MODEL_KWARGS)
+SLOW_MODEL_KWARGS = dict(
+    max_position_embeddings=8192, hidden_size=1024, num_hidden_layers=4, intermediate_size=2816
+)
 _MARKER = "tiny_model_complete"
 
 _WORDS = (

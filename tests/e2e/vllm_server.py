@@ -10,6 +10,13 @@ Usage (from tests, repo root on sys.path)::
         httpx.post(f"{srv.base_url}/v1/completions", ...)
         m = read_metrics(srv.base_url)   # {"running": .., "waiting": .., "generation_tokens": ..}
 
+For abort/disconnect tests prefer the slower model (the default tiny one finishes 1024 tokens
+in ~1 s and starves the API server)::
+
+    from tests.e2e.tiny_model import SLOW_MODEL_KWARGS
+    model = build_tiny_model(Path("/tmp/slow-llama-8k"), **SLOW_MODEL_KWARGS)
+    with vllm_server(model, max_model_len=8192, middleware=[HIDE_DISCONNECT_MIDDLEWARE]) as srv: ...
+
 Command used::
 
     python -m vllm.entrypoints.openai.api_server --model DIR --dtype float32 \

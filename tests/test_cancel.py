@@ -1,0 +1,713 @@
+"""Cancellation, end to end: a client that leaves gets its upstream connection closed and exactly
+its own engine request ids aborted, in every phase of the exchange.
+
+Everything runs through the production wiring: :func:`sidecar.server.start` (the ``sidecar`` and
+``start_sidecar`` fixtures, ``AppRunner`` with handler cancellation, what the CLI runs) and, in
+the ``test_cli_*`` tests, the real ``python -m sidecar`` subprocess. Clients are raw sockets
+(exact disconnect timing: ``rst`` = SO_LINGER 0 + close, ``fin`` = close, ``half`` = shutdown of
+the write side only) and aiohttp clients; the engine is :mod:`tests.fake_engine` on 127.0.0.1.
+
+Timing: every wait has a guard (``GUARD_S``, generous; the measured latencies are printed, run
+with ``-s`` to see them). "Nothing happened" is checked by an event-or-timeout wait
+(``QUIET_S``) followed by a full request through the sidecar (:func:`settle`), so an abort that
+was going to be sent has had every chance to arrive.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import re
+import signal
+import socket
+import struct
+import sys
+import time
+from collections.abc import AsyncIterator, Callable
+from contextlib import asynccontextmanager, suppress
+from pathlib import Path
+from typing import Any
+
+import aiohttp
+import pytest
+import yaml
+from multidict import CIMultiDict
+from prometheus_client.parser import text_string_to_metric_families
+
+from sidecar.server import Servers
+from tests.conftest import sidecar_settings
+from tests.fake_engine import ABORT_PATH, HANG_ABORT_PATH, FakeEngine
+
+pytestmark = pytest.mark.timeout(20)
+
+GUARD_S = 1.0  # upper bound for "promptly": disconnect -> upstream closed / abort arrived
+QUIET_S = 0.3  # how long to wait for something that must NOT happen, before settle()
+API_KEY = "sekret-key"  # what tests/conftest.py configures as abort.api_key
+REPO = Path(__file__).resolve().parent.parent
+
+CHAT = "/v1/chat/completions"
+COMPLETIONS = "/v1/completions"
+GENERATE = "/inference/v1/generate"
+
+# name -> (path, body, engine request ids for sidecar id <id>)
+ROUTES: dict[str, tuple[str, dict[str, Any], Callable[[str], list[str]]]] = {
+    "chat": (CHAT, {"messages": [{"role": "user", "content": "hi"}]},
+             lambda i: [f"chatcmpl-{i}"]),
+    "completions-3-prompts": (COMPLETIONS, {"prompt": ["a", "b", "c"]},
+                              lambda i: [f"cmpl-{i}-0", f"cmpl-{i}-1", f"cmpl-{i}-2"]),
+    "completions-1-prompt": (COMPLETIONS, {"prompt": "a"}, lambda i: [f"cmpl-{i}-0"]),
+    "generate": (GENERATE, {"token_ids": [1, 2, 3]}, lambda i: [f"generate-tokens-{i}"]),
+}
+
+# phase -> (query, stream?, the phase label the sidecar counts)
+PHASES: dict[str, tuple[str, bool, str]] = {
+    "queued": ("?first_byte_delay=5", True, "before_first_byte"),
+    "non_streaming": ("?tokens=1000&interval=0.01", False, "before_first_byte"),
+    "mid_stream": ("?tokens=1000&interval=0.01", True, "response_body"),
+}
+
+
+def ms(seconds: float) -> str:
+    return f"{seconds * 1000:.1f} ms"
+
+
+# -- clients ------------------------------------------------------------------------------------
+
+class RawClient:
+    """One HTTP/1.1 connection on a raw socket, for exact control of when and how it ends."""
+
+    def __init__(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        self.reader = reader
+        self.writer = writer
+
+    def send_head(self, method: str, path: str, headers: list[tuple[str, str]],
+                  content_length: int | None) -> None:
+        lines = [f"{method} {path} HTTP/1.1", "Host: sidecar"]
+        lines += [f"{k}: {v}" for k, v in headers]
+        if content_length is not None:
+            lines += ["Content-Type: application/json", f"Content-Length: {content_length}"]
+        self.writer.write(("\r\n".join(lines) + "\r\n\r\n").encode("latin-1"))
+
+    def send(self, method: str, path: str, body: bytes | None = None,
+             headers: list[tuple[str, str]] | None = None) -> None:
+        self.send_head(method, path, headers or [], None if body is None else len(body))
+        if body:
+            self.writer.write(body)
+
+    async def head(self) -> tuple[int, CIMultiDict[str]]:
+        raw = await asyncio.wait_for(self.reader.readuntil(b"\r\n\r\n"), 5)
+        status_line, *lines = raw.decode("latin-1").split("\r\n")
+        headers: CIMultiDict[str] = CIMultiDict()
+        for line in lines:
+            if line:
+                name, _, value = line.partition(":")
+                headers.add(name.strip(), value.strip())
+        return int(status_line.split()[1]), headers
+
+    async def read_until(self, marker: bytes) -> bytes:
+        return await asyncio.wait_for(self.reader.readuntil(marker), 5)
+
+    def disconnect(self, how: str) -> float:
+        """End the connection (``rst``, ``fin`` or ``half``); returns ``time.monotonic()``."""
+        if how == "rst":
+            sock = self.writer.get_extra_info("socket")
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+            at = time.monotonic()
+            self.writer.transport.abort()
+        elif how == "fin":
+            at = time.monotonic()
+            self.writer.close()
+        elif how == "half":
+            at = time.monotonic()
+            self.writer.write_eof()  # shutdown(SHUT_WR): we still read
+        else:
+            raise ValueError(how)
+        return at
+
+
+@asynccontextmanager
+async def raw_client(port: int) -> AsyncIterator[RawClient]:
+    reader, writer = await asyncio.open_connection("127.0.0.1", port)
+    try:
+        yield RawClient(reader, writer)
+    finally:
+        writer.close()
+        with suppress(ConnectionError):
+            await writer.wait_closed()
+
+
+def request_body(body: dict[str, Any], stream: bool) -> bytes:
+    return json.dumps({**body, "stream": stream}).encode()
+
+
+# -- waiting and checking -----------------------------------------------------------------------
+
+async def wait_event(event: asyncio.Event, what: str, within_s: float = GUARD_S) -> None:
+    try:
+        await asyncio.wait_for(event.wait(), within_s)
+    except TimeoutError:
+        raise AssertionError(f"expected {what} within {within_s}s; it did not happen") from None
+
+
+async def no_event(event: asyncio.Event, within_s: float = QUIET_S) -> bool:
+    """True if ``event`` stays unset for ``within_s`` seconds."""
+    try:
+        await asyncio.wait_for(event.wait(), within_s)
+    except TimeoutError:
+        return True
+    return False
+
+
+async def settle(port: int) -> None:
+    """A complete request through the sidecar: whatever the sidecar had started before it
+    (an abort call in its own task) has had a full round trip's time to show up."""
+    async with aiohttp.ClientSession() as s, s.get(f"http://127.0.0.1:{port}/health") as r:
+        assert r.status == 200, f"settle request: expected 200 from /health, got {r.status}"
+        await r.read()
+
+
+async def metrics(admin_port: int, session: aiohttp.ClientSession | None = None
+                  ) -> dict[tuple[str, frozenset[tuple[str, str]]], float]:
+    """Every sample on the admin listener's /metrics: (name, labels) -> value."""
+    async with aiohttp.ClientSession() if session is None else _keep(session) as s:
+        async with s.get(f"http://127.0.0.1:{admin_port}/metrics") as r:
+            assert r.status == 200, f"GET /metrics: expected 200, got {r.status}"
+            text = await r.text()
+    return {(sample.name, frozenset(sample.labels.items())): sample.value
+            for family in text_string_to_metric_families(text) for sample in family.samples}
+
+
+@asynccontextmanager
+async def _keep(session: aiohttp.ClientSession) -> AsyncIterator[aiohttp.ClientSession]:
+    yield session
+
+
+def sample(values: dict[tuple[str, frozenset[tuple[str, str]]], float], name: str,
+           **labels: str) -> float:
+    return values.get((name, frozenset(labels.items())), 0.0)
+
+
+def samples(values: dict[tuple[str, frozenset[tuple[str, str]]], float], name: str
+            ) -> dict[frozenset[tuple[str, str]], float]:
+    return {labels: v for (n, labels), v in values.items() if n == name and v}
+
+
+async def wait_metric(admin_port: int, name: str, value: float, within_s: float,
+                      **labels: str) -> float:
+    """Poll /metrics until the sample reaches ``value`` (no event exists for it); returns the
+    seconds it took. Fails with what the metric said instead."""
+    start = time.monotonic()
+    async with aiohttp.ClientSession() as s:
+        while True:
+            got = sample(await metrics(admin_port, s), name, **labels)
+            if got >= value:
+                return time.monotonic() - start
+            if time.monotonic() - start > within_s:
+                raise AssertionError(f"expected {name}{labels} >= {value} within {within_s}s; "
+                                     f"it is {got}")
+            await asyncio.sleep(0.02)
+
+
+def disconnect_counts(values: dict[tuple[str, frozenset[tuple[str, str]]], float]
+                      ) -> dict[tuple[str, str], float]:
+    return {(dict(k)["route"], dict(k)["phase"]): v
+            for k, v in samples(values, "cancel_sidecar_client_disconnects_total").items()}
+
+
+async def upstream_closed(engine: FakeEngine, since: float) -> float:
+    """Wait for the engine to see its generating connection go away; returns the latency."""
+    await wait_event(engine.record.closed_event, "the upstream (engine) connection to close")
+    gen = engine.record.generations[-1]
+    assert gen.closed_at is not None and not gen.finished, (
+        f"expected the generation cut short, got finished={gen.finished} "
+        f"closed_at={gen.closed_at}")
+    return gen.closed_at - since
+
+
+async def one_abort(engine: FakeEngine, since: float, port: int) -> tuple[list[str], float]:
+    """Wait for the abort call; check it is the only one and carries the bearer key."""
+    await wait_event(engine.record.abort_event, "an abort call at the engine")
+    await settle(port)
+    aborts = engine.record.aborts
+    assert len(aborts) == 1, f"expected exactly one abort call, got {[a.ids for a in aborts]}"
+    assert aborts[0].authorization == f"Bearer {API_KEY}", (
+        f"expected the configured bearer key on the abort call, got {aborts[0].authorization!r}")
+    return aborts[0].ids, aborts[0].at - since
+
+
+# -- sidecar request ids ------------------------------------------------------------------------
+
+async def test_every_request_gets_a_unique_sidecar_id(engine: FakeEngine,
+                                                      sidecar: Servers) -> None:
+    seen: list[str] = []
+    async with aiohttp.ClientSession() as s:
+        for _ in range(20):
+            async with s.post(f"http://127.0.0.1:{sidecar.proxy_port}/echo", data=b"x") as r:
+                echoed = await r.json()
+                rid = r.headers.get("X-Request-Id", "")
+            upstream = [v for k, v in echoed["headers"] if k.lower() == "x-request-id"]
+            assert upstream == [rid], f"engine got X-Request-Id {upstream}, client got {rid!r}"
+            assert "X-Client-Request-Id" not in r.headers, "no client id was sent"
+            assert re.fullmatch(r"[0-9a-f]{32}", rid), f"expected a uuid4 hex id, got {rid!r}"
+            seen.append(rid)
+    assert len(set(seen)) == 20, f"expected 20 distinct ids, got {seen}"
+
+
+CLIENT_IDS = {
+    "same": [("X-Request-Id", "shared-id")],
+    "comma": [("X-Request-Id", "x, y")],
+    "long": [("X-Request-Id", "L" * 4000)],
+    "two-headers": [("X-Request-Id", "a"), ("X-Request-Id", "b")],
+    "body-field": [],  # the body's "request_id" field is set below
+}
+
+
+@pytest.mark.parametrize("kind", sorted(CLIENT_IDS))
+async def test_client_chosen_ids_never_reach_an_abort(engine: FakeEngine, sidecar: Servers,
+                                                      kind: str) -> None:
+    """Two clients send the same id; disconnecting A aborts A's request only, B completes."""
+    headers = CLIENT_IDS[kind]
+    body = request_body({"messages": [], "request_id": "victim"}, stream=True)
+    port = sidecar.proxy_port
+    async with raw_client(port) as b, raw_client(port) as a:
+        b.send("POST", f"{CHAT}?tokens=40&interval=0.01", body, headers)
+        status_b, head_b = await b.head()
+        await b.read_until(b"data:")
+        a.send("POST", f"{CHAT}?tokens=1000&interval=0.01", body, headers)
+        status_a, head_a = await a.head()
+        await a.read_until(b"data:")
+        assert status_a == status_b == 200, f"expected 200 twice, got {status_a}, {status_b}"
+        at = a.disconnect("rst")
+        ids, latency = await one_abort(engine, at, port)
+        rest_b = await b.read_until(b"data: [DONE]\n\n")
+    a_id, b_id = head_a["X-Request-Id"], head_b["X-Request-Id"]
+    print(f"[{kind}] abort {ms(latency)} after A left")
+    assert ids == [f"chatcmpl-{a_id}"], f"expected only A's id chatcmpl-{a_id}, got {ids}"
+    assert a_id != b_id and re.fullmatch(r"[0-9a-f]{32}", a_id), (a_id, b_id)
+    assert rest_b.count(b"data:") == 40, f"B expected its whole stream, got {rest_b[-200:]!r}"
+    gens = {g.request_id: g for g in engine.record.generations}
+    assert gens[b_id].finished and gens[b_id].closed_at is None, "B must complete, unaborted"
+    assert gens[a_id].closed_at is not None, "A's upstream must be closed"
+    client_value = headers[0][1] if headers else None
+    for head in (head_a, head_b):
+        assert head.get("X-Client-Request-Id") == client_value, (
+            f"expected X-Client-Request-Id {client_value!r:.40} in the response, "
+            f"got {head.get('X-Client-Request-Id')!r:.40}")
+    for seen in engine.watch.on(CHAT):
+        assert seen.headers.getall("X-Request-Id") in ([a_id], [b_id]), (
+            f"engine must see only the sidecar id, got {seen.headers.getall('X-Request-Id')}")
+        assert seen.headers.get("X-Client-Request-Id") == client_value, (
+            f"engine expected X-Client-Request-Id {client_value!r:.40}, "
+            f"got {seen.headers.get('X-Client-Request-Id')!r:.40}")
+
+
+# -- disconnect in every phase ------------------------------------------------------------------
+
+@pytest.mark.parametrize("how", ["rst", "fin"])
+@pytest.mark.parametrize("phase", sorted(PHASES))
+@pytest.mark.parametrize("route", sorted(ROUTES))
+async def test_disconnect_closes_upstream_and_aborts_exact_ids(
+        engine: FakeEngine, sidecar: Servers, route: str, phase: str, how: str) -> None:
+    path, body, expected_ids = ROUTES[route]
+    query, stream, phase_label = PHASES[phase]
+    async with raw_client(sidecar.proxy_port) as c:
+        c.send("POST", path + query, request_body(body, stream), [("X-Request-Id", "client")])
+        client_id = None
+        if phase == "mid_stream":
+            status, head = await c.head()
+            assert status == 200, f"expected a 200 stream, got {status}"
+            client_id = head["X-Request-Id"]
+            await c.read_until(b"data:")
+        else:
+            await wait_event(engine.record.started_event, "the engine to start the request")
+        at = c.disconnect(how)
+        closed = await upstream_closed(engine, at)
+        ids, latency = await one_abort(engine, at, sidecar.proxy_port)
+    engine_id = engine.record.generations[0].request_id
+    assert engine_id is not None and engine_id != "client", f"engine saw id {engine_id!r}"
+    if client_id is not None:
+        assert client_id == engine_id, f"client got id {client_id}, engine got {engine_id}"
+    print(f"[{route} {phase} {how}] upstream closed {ms(closed)}, abort {ms(latency)}")
+    assert ids == expected_ids(engine_id), f"expected {expected_ids(engine_id)}, got {ids}"
+    assert closed < GUARD_S and latency < GUARD_S, (closed, latency)
+    counts = disconnect_counts(await metrics(sidecar.admin_port or 0))
+    assert counts == {("/", phase_label): 1}, f"expected one {phase_label} disconnect: {counts}"
+
+
+@pytest.mark.parametrize("how", ["rst", "fin"])
+@pytest.mark.parametrize("route", ["chat", "completions-3-prompts"])
+async def test_disconnect_while_sending_the_body_closes_upstream_without_abort(
+        engine: FakeEngine, sidecar: Servers, route: str, how: str) -> None:
+    """The engine never got a whole request, so it has nothing to abort: none is sent."""
+    path, body, _ = ROUTES[route]
+    raw = json.dumps({**body, "stream": True, "pad": "p" * 20000}).encode()
+    async with raw_client(sidecar.proxy_port) as c:
+        c.send_head("POST", path + "?tokens=1000", [], len(raw))
+        c.writer.write(raw[: len(raw) // 2])
+        await c.writer.drain()
+        arrived = await engine.watch.until(lambda: bool(engine.watch.on(path)), GUARD_S)
+        assert arrived, "expected the engine to receive the request head and part of the body"
+        at = c.disconnect(how)
+        seen = engine.watch.on(path)[0]
+        gone = await engine.watch.until(lambda: seen.failed_at is not None, GUARD_S)
+        assert gone, f"expected the engine's body read to fail within {GUARD_S}s; {seen}"
+    assert seen.failed_at is not None
+    print(f"[{route} {how}] upstream closed {ms(seen.failed_at - at)} after the client left "
+          f"mid-body ({seen.body_bytes} of {seen.content_length} bytes arrived, {seen.error})")
+    assert seen.content_length == len(raw), f"engine saw Content-Length {seen.content_length}"
+    assert seen.body_bytes < len(raw), f"engine got the whole body: {seen.body_bytes} bytes"
+    assert engine.record.generations == [], "the engine must never have parsed the request"
+    assert await no_event(engine.record.abort_event), (
+        f"expected no abort for an incomplete request, got {engine.record.aborted_ids()}")
+    await settle(sidecar.proxy_port)
+    assert engine.record.aborts == [], f"expected no abort, got {engine.record.aborted_ids()}"
+    values = await metrics(sidecar.admin_port or 0)
+    assert disconnect_counts(values) == {("/", "request_body"): 1}, disconnect_counts(values)
+    assert samples(values, "cancel_sidecar_abort_calls_total") == {}, "no abort call expected"
+
+
+async def test_aiohttp_client_closing_a_stream_aborts(engine: FakeEngine,
+                                                      sidecar: Servers) -> None:
+    async with aiohttp.ClientSession() as s:
+        async with s.post(f"http://127.0.0.1:{sidecar.proxy_port}{COMPLETIONS}?tokens=1000",
+                          json={"prompt": ["a", "b", "c"], "stream": True}) as r:
+            rid = r.headers["X-Request-Id"]
+            first = await asyncio.wait_for(r.content.readline(), 5)
+            assert first.startswith(b"data:"), f"expected an SSE event, got {first!r}"
+            at = time.monotonic()
+            r.close()
+        closed = await upstream_closed(engine, at)
+        ids, latency = await one_abort(engine, at, sidecar.proxy_port)
+    print(f"[aiohttp close] upstream closed {ms(closed)}, abort {ms(latency)}")
+    assert ids == [f"cmpl-{rid}-{i}" for i in range(3)], f"expected 3 ids for {rid}, got {ids}"
+
+
+async def test_aiohttp_client_cancelled_while_waiting_aborts(engine: FakeEngine,
+                                                             sidecar: Servers) -> None:
+    async with aiohttp.ClientSession() as s:
+        task = asyncio.create_task(s.post(
+            f"http://127.0.0.1:{sidecar.proxy_port}{CHAT}?tokens=1000&interval=0.01",
+            json={"messages": [], "stream": False}))
+        await wait_event(engine.record.started_event, "the engine to start the request")
+        at = time.monotonic()
+        task.cancel()
+        with suppress(asyncio.CancelledError):
+            await task
+        closed = await upstream_closed(engine, at)
+        ids, latency = await one_abort(engine, at, sidecar.proxy_port)
+    print(f"[aiohttp cancel] upstream closed {ms(closed)}, abort {ms(latency)}")
+    engine_id = engine.record.generations[0].request_id
+    assert ids == [f"chatcmpl-{engine_id}"], f"expected chatcmpl-{engine_id}, got {ids}"
+
+
+# -- half-closed clients ------------------------------------------------------------------------
+
+@pytest.mark.parametrize("phase", ["queued", "mid_stream"])
+async def test_half_closed_client_counts_as_disconnected(engine: FakeEngine, sidecar: Servers,
+                                                         phase: str) -> None:
+    """Policy: a client that shuts down its write side (``shutdown(SHUT_WR)``, a TCP FIN while
+    it still reads) is treated as disconnected: the upstream connection is closed, the engine
+    aborted, and the sidecar closes the client connection.
+
+    Why: aiohttp's server protocol returns ``None`` from ``eof_received``, so the transport
+    closes on a half-close and the handler is cancelled like on any lost connection. HTTP/1.1
+    allows a half-close after a complete request, but LLM clients do not use it, and serving
+    it would mean a FIN could never be told from a departed client, i.e. no cancellation for
+    the most common way clients leave.
+    """
+    query, stream, phase_label = PHASES[phase]
+    async with raw_client(sidecar.proxy_port) as c:
+        c.send("POST", CHAT + query, request_body({"messages": []}, stream))
+        if phase == "mid_stream":
+            await c.head()
+            await c.read_until(b"data:")
+        else:
+            await wait_event(engine.record.started_event, "the engine to start the request")
+        at = c.disconnect("half")
+        closed = await upstream_closed(engine, at)
+        ids, latency = await one_abort(engine, at, sidecar.proxy_port)
+        rest = await asyncio.wait_for(c.reader.read(), GUARD_S)  # EOF: the sidecar closed
+    print(f"[half-close {phase}] upstream closed {ms(closed)}, abort {ms(latency)}, "
+          f"{len(rest)} more bytes then EOF")
+    assert b"[DONE]" not in rest, "the stream must not have completed"
+    engine_id = engine.record.generations[0].request_id
+    assert ids == [f"chatcmpl-{engine_id}"], f"expected chatcmpl-{engine_id}, got {ids}"
+    counts = disconnect_counts(await metrics(sidecar.admin_port or 0))
+    assert counts == {("/", phase_label): 1}, f"expected one {phase_label} disconnect: {counts}"
+
+
+# -- no abort when there is nothing to abort ----------------------------------------------------
+
+@pytest.mark.parametrize("how", ["rst", "fin"])
+@pytest.mark.parametrize("stream", [True, False], ids=["stream", "json"])
+async def test_client_leaving_right_after_the_end_costs_nothing(
+        engine: FakeEngine, sidecar: Servers, stream: bool, how: str) -> None:
+    async with raw_client(sidecar.proxy_port) as c:
+        c.send("POST", f"{CHAT}?tokens=5&interval=0.001", request_body({"messages": []}, stream))
+        status, head = await c.head()
+        assert status == 200, f"expected 200, got {status}"
+        if stream:
+            assert head.get("Transfer-Encoding") == "chunked", head
+            await c.read_until(b"data: [DONE]\n\n")
+            await c.read_until(b"\r\n0\r\n\r\n")  # the chunked terminator: the response ended
+        else:
+            await asyncio.wait_for(c.reader.readexactly(int(head["Content-Length"])), 5)
+        c.disconnect(how)
+    assert await no_event(engine.record.abort_event), (
+        f"expected no abort after a complete response, got {engine.record.aborted_ids()}")
+    await settle(sidecar.proxy_port)
+    assert engine.record.aborts == [], f"expected no abort, got {engine.record.aborted_ids()}"
+    gen = engine.record.generations[0]
+    assert gen.finished and gen.closed_at is None, f"expected a finished generation: {gen}"
+    values = await metrics(sidecar.admin_port or 0)
+    assert disconnect_counts(values) == {}, f"no disconnect expected: {disconnect_counts(values)}"
+
+
+@pytest.mark.parametrize("how", ["rst", "fin"])
+@pytest.mark.parametrize(("method", "path"), [("GET", "/v1/models"), ("POST", "/echo")])
+async def test_non_generating_route_disconnect_closes_upstream_without_abort(
+        engine: FakeEngine, sidecar: Servers, method: str, path: str, how: str) -> None:
+    body = b'{"prompt": "x"}' if method == "POST" else None
+    async with raw_client(sidecar.proxy_port) as c:
+        c.send(method, f"{path}?hold=5", body)
+        arrived = await engine.watch.until(lambda: bool(engine.watch.on(path)), GUARD_S)
+        assert arrived, f"expected {method} {path} to reach the engine"
+        at = c.disconnect(how)
+        seen = engine.watch.on(path)[0]
+        gone = await engine.watch.until(lambda: seen.failed_at is not None, GUARD_S)
+        assert gone, f"expected the upstream request to be closed within {GUARD_S}s: {seen}"
+    assert seen.failed_at is not None
+    print(f"[{method} {path} {how}] upstream closed {ms(seen.failed_at - at)}")
+    assert await no_event(engine.record.abort_event), (
+        f"expected no abort for {path}, got {engine.record.aborted_ids()}")
+    await settle(sidecar.proxy_port)
+    assert engine.record.aborts == [], f"expected no abort, got {engine.record.aborted_ids()}"
+    counts = disconnect_counts(await metrics(sidecar.admin_port or 0))
+    assert counts == {("/", "before_first_byte"): 1}, counts
+
+
+# -- a failing, slow or missing abort endpoint --------------------------------------------------
+
+ABORT_FAILURES = ["http_500", "http_404", "slow", "hang"]
+
+
+@pytest.mark.parametrize("failure", ABORT_FAILURES)
+async def test_abort_failure_never_delays_close_or_other_traffic(
+        engine: FakeEngine, start_sidecar: Callable[..., Any], caplog: pytest.LogCaptureFixture,
+        failure: str) -> None:
+    caplog.set_level(logging.DEBUG)
+    timeout_s = 1.0
+    abort_engine, abort_path, outcome = "local", ABORT_PATH, "timeout"
+    overrides: dict[str, Any] = {}
+    if failure == "http_500":
+        engine.record.abort_status, outcome = 500, "http_500"
+    elif failure == "http_404":
+        abort_path, outcome = "/no/such/abort", "http_404"
+    elif failure == "slow":
+        engine.record.abort_delay = 30.0  # far past timeout_s
+    if failure == "hang":
+        # A second engine config, same engine, whose abort path never answers; chat goes there.
+        abort_engine, abort_path = "hanging", HANG_ABORT_PATH
+        overrides["routes"] = [{"prefix": "/v1/chat", "engine": "hanging"},
+                               {"prefix": "/", "engine": "local"}]
+    overrides["engines"] = {abort_engine: {
+        "kind": "vllm", "url": engine.url,
+        "abort": {"path": abort_path, "api_key": API_KEY, "timeout_s": timeout_s}}}
+    servers: Servers = await start_sidecar(sidecar_settings(engine.url, **overrides))
+    port, admin = servers.proxy_port, servers.admin_port or 0
+
+    async with raw_client(port) as c:
+        c.send("POST", f"{CHAT}?tokens=1000", request_body({"messages": []}, True))
+        _, head = await c.head()
+        await c.read_until(b"data:")
+        at = c.disconnect("rst")
+        closed = await upstream_closed(engine, at)
+    rid = head["X-Request-Id"]
+    arrived = await engine.watch.until(lambda: bool(engine.watch.on(abort_path)), GUARD_S)
+    assert arrived, f"expected an abort call at {abort_path} within {GUARD_S}s"
+    abort_seen = engine.watch.on(abort_path)[0]
+
+    # Other traffic, on both engines, while the abort call is failing or still hanging.
+    started = time.monotonic()
+    async with aiohttp.ClientSession() as s:
+        for path, body in [(CHAT, {"messages": []}), (COMPLETIONS, {"prompt": "a"})]:
+            async with s.post(f"http://127.0.0.1:{port}{path}?tokens=5&interval=0.001",
+                              json={**body, "stream": True}) as r:
+                text = await r.read()
+                assert r.status == 200 and text.endswith(b"data: [DONE]\n\n"), (
+                    f"{path}: expected a complete stream during the abort, got {r.status} "
+                    f"{text[-100:]!r}")
+    busy = time.monotonic() - started
+    if failure in ("slow", "hang"):
+        assert abort_seen.ended_at is None and abort_seen.failed_at is None, (
+            "expected the abort call still pending while the other requests completed")
+    print(f"[{failure}] upstream closed {ms(closed)}; two requests took {ms(busy)} "
+          f"during the abort call")
+    assert closed < GUARD_S, f"upstream close took {ms(closed)}"
+
+    waited = await wait_metric(admin, "cancel_sidecar_abort_calls_total", 1, timeout_s + GUARD_S,
+                               engine=abort_engine, outcome=outcome)
+    if outcome == "timeout":
+        done = await engine.watch.until(lambda: abort_seen.failed_at is not None, GUARD_S)
+        assert done and abort_seen.failed_at is not None, "the abort connection must be closed"
+        bound = abort_seen.failed_at - abort_seen.started
+        print(f"[{failure}] abort call cut after {ms(bound)} (timeout_s={timeout_s})")
+        assert timeout_s - 0.2 < bound < timeout_s + GUARD_S, (
+            f"expected the abort call bounded by timeout_s={timeout_s}, it lasted {ms(bound)}")
+    else:
+        print(f"[{failure}] failure counted {ms(waited)} after the requests")
+    values = await metrics(admin)
+    calls = samples(values, "cancel_sidecar_abort_calls_total")
+    assert calls == {frozenset({("engine", abort_engine), ("outcome", outcome)}): 1}, calls
+    if failure != "http_404":
+        assert engine.record.aborts[0].ids == [f"chatcmpl-{rid}"], engine.record.aborts
+        assert engine.record.aborts[0].authorization == f"Bearer {API_KEY}"
+
+    warnings = [r for r in caplog.records if r.levelno >= logging.WARNING
+                and r.name == "sidecar.abort" and rid in r.getMessage()]
+    assert warnings, f"expected a warning from sidecar.abort naming {rid}; got {caplog.text}"
+    assert "failed" in warnings[0].getMessage(), warnings[0].getMessage()
+    assert API_KEY not in caplog.text, "the api key appeared in the logs"
+    assert all(API_KEY not in r.getMessage() for r in caplog.records), "api key in a log record"
+
+
+# -- disconnect metrics -------------------------------------------------------------------------
+
+async def test_disconnect_metric_counts_each_phase_per_route(
+        engine: FakeEngine, start_sidecar: Callable[..., Any]) -> None:
+    routes = [{"prefix": "/v1", "engine": "local"}, {"prefix": "/", "engine": "local"}]
+    servers: Servers = await start_sidecar(sidecar_settings(engine.url, routes=routes))
+    port = servers.proxy_port
+    # request_body on /v1
+    raw = request_body({"messages": [], "pad": "p" * 20000}, True)
+    async with raw_client(port) as c:
+        c.send_head("POST", CHAT, [], len(raw))
+        c.writer.write(raw[:100])
+        await c.writer.drain()
+        assert await engine.watch.until(lambda: bool(engine.watch.on(CHAT)), GUARD_S)
+        c.disconnect("rst")
+        assert await engine.watch.until(lambda: engine.watch.on(CHAT)[0].failed_at is not None,
+                                        GUARD_S), "upstream must close"
+    # before_first_byte on / (the generate route lies outside /v1)
+    async with raw_client(port) as c:
+        c.send("POST", f"{GENERATE}?first_byte_delay=5", request_body({}, True))
+        await wait_event(engine.record.started_event, "the engine to start the request")
+        c.disconnect("fin")
+        await wait_event(engine.record.closed_event, "the upstream connection to close")
+    # response_body on /v1
+    async with raw_client(port) as c:
+        c.send("POST", f"{COMPLETIONS}?tokens=1000", request_body({"prompt": "a"}, True))
+        await c.read_until(b"data:")
+        c.disconnect("rst")
+        assert await engine.watch.until(
+            lambda: sum(s.failed_at is not None for s in engine.watch.on(COMPLETIONS)) == 1,
+            GUARD_S), "upstream must close"
+    await settle(port)
+    values = await metrics(servers.admin_port or 0)
+    counts = disconnect_counts(values)
+    assert counts == {("/v1", "request_body"): 1, ("/", "before_first_byte"): 1,
+                      ("/v1", "response_body"): 1}, f"unexpected disconnect counts {counts}"
+    requests = {(dict(k)["route"], dict(k)["status_class"]): v
+                for k, v in samples(values, "cancel_sidecar_requests_total").items()}
+    assert requests.get(("/v1", "disconnected")) == 2, requests
+    assert requests.get(("/", "disconnected")) == 1, requests
+
+
+# -- the real CLI -------------------------------------------------------------------------------
+
+CLI_KEY = "cli-sekret-key-1234"
+
+
+@asynccontextmanager
+async def cli_sidecar(tmp_path: Path, engine: FakeEngine) -> AsyncIterator[tuple[int, int, Path]]:
+    """``python -m sidecar --config FILE`` with free ports; yields (proxy port, admin port,
+    stderr file). Stops it with SIGTERM and checks it exits 0."""
+    config = tmp_path / "sidecar.yaml"
+    config.write_text(yaml.safe_dump({
+        "listen": {"host": "127.0.0.1", "port": 0},
+        "admin": {"host": "127.0.0.1", "port": 0},
+        "engines": {"local": {"kind": "vllm", "url": engine.url,
+                              "abort": {"api_key": CLI_KEY, "timeout_s": 1.0}}},
+        "routes": [{"prefix": "/", "engine": "local"}],
+        "log_level": "DEBUG",
+    }))
+    stderr_path = tmp_path / "stderr.log"
+    with stderr_path.open("wb") as stderr:
+        proc = await asyncio.create_subprocess_exec(
+            sys.executable, "-m", "sidecar", "--config", str(config), cwd=REPO,
+            stdin=asyncio.subprocess.DEVNULL, stdout=asyncio.subprocess.PIPE, stderr=stderr)
+        try:
+            assert proc.stdout is not None
+            line = (await asyncio.wait_for(proc.stdout.readline(), 15)).decode()
+            match = re.match(r"cancel-sidecar: proxy on 127\.0\.0\.1:(\d+), "
+                             r"admin on 127\.0\.0\.1:(\d+)", line)
+            assert match, (f"expected the 'proxy on HOST:PORT' line, got {line!r}; "
+                           f"stderr: {stderr_path.read_text()}")
+            yield int(match[1]), int(match[2]), stderr_path
+        finally:
+            if proc.returncode is None:
+                proc.send_signal(signal.SIGTERM)
+            try:
+                await asyncio.wait_for(proc.communicate(), 10)
+            except TimeoutError:
+                proc.kill()
+                await proc.communicate()
+                raise AssertionError("the CLI did not stop within 10 s of SIGTERM") from None
+    assert proc.returncode == 0, (f"expected exit 0 after SIGTERM, got {proc.returncode}; "
+                                  f"stderr: {stderr_path.read_text()}")
+
+
+async def test_cli_notices_mid_stream_disconnect(engine: FakeEngine, tmp_path: Path) -> None:
+    async with cli_sidecar(tmp_path, engine) as (port, admin, stderr):
+        async with raw_client(port) as c:
+            c.send("POST", f"{COMPLETIONS}?tokens=1000",
+                   request_body({"prompt": ["a", "b", "c"]}, True), [("X-Request-Id", "mine")])
+            _, head = await c.head()
+            await c.read_until(b"data:")
+            at = c.disconnect("rst")
+            closed = await upstream_closed(engine, at)
+            await wait_event(engine.record.abort_event, "an abort call at the engine")
+        rid = head["X-Request-Id"]
+        await settle(port)
+        await wait_metric(admin, "cancel_sidecar_abort_calls_total", 1, GUARD_S,
+                          engine="local", outcome="ok")
+        counts = disconnect_counts(await metrics(admin))
+    abort = engine.record.aborts
+    latency = abort[0].at - at
+    print(f"[cli mid-stream] upstream closed {ms(closed)}, abort {ms(latency)}")
+    assert [a.ids for a in abort] == [[f"cmpl-{rid}-{i}" for i in range(3)]], abort
+    assert abort[0].authorization == f"Bearer {CLI_KEY}", abort[0].authorization
+    assert engine.record.generations[0].request_id == rid
+    assert closed < GUARD_S and latency < GUARD_S, (closed, latency)
+    assert counts == {("/", "response_body"): 1}, counts
+    log = stderr.read_text()
+    assert rid in log and "aborted" in log, f"expected the abort logged with {rid}: {log}"
+    assert CLI_KEY not in log, "the api key appeared in the CLI's log"
+
+
+async def test_cli_notices_half_close_while_queued_and_logs_abort_failure(
+        engine: FakeEngine, tmp_path: Path) -> None:
+    engine.record.abort_status = 500
+    async with cli_sidecar(tmp_path, engine) as (port, admin, stderr):
+        async with raw_client(port) as c:
+            c.send("POST", f"{CHAT}?first_byte_delay=5", request_body({"messages": []}, True))
+            await wait_event(engine.record.started_event, "the engine to start the request")
+            at = c.disconnect("half")
+            closed = await upstream_closed(engine, at)
+            await wait_event(engine.record.abort_event, "an abort call at the engine")
+        await wait_metric(admin, "cancel_sidecar_abort_calls_total", 1, GUARD_S,
+                          engine="local", outcome="http_500")
+        counts = disconnect_counts(await metrics(admin))
+        # Other traffic is unaffected.
+        await settle(port)
+    rid = engine.record.generations[0].request_id
+    latency = engine.record.aborts[0].at - at
+    print(f"[cli half-close queued] upstream closed {ms(closed)}, abort {ms(latency)}")
+    assert engine.record.aborted_ids() == [f"chatcmpl-{rid}"], engine.record.aborted_ids()
+    assert counts == {("/", "before_first_byte"): 1}, counts
+    log = stderr.read_text()
+    failure = [line for line in log.splitlines() if "WARNING" in line and "abort" in line]
+    assert any(str(rid) in line and "HTTP 500" in line for line in failure), (
+        f"expected a WARNING naming {rid} and HTTP 500, got: {log}")
+    assert CLI_KEY not in log, "the api key appeared in the CLI's log"
