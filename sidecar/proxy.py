@@ -37,6 +37,7 @@ log = logging.getLogger(__name__)
 
 REQUEST_ID = "X-Request-Id"
 CLIENT_REQUEST_ID = "X-Client-Request-Id"
+SSE_DONE = b"data: [DONE]\n\n"
 _LINGER_RESET = struct.pack("ii", 1, 0)  # SO_LINGER on, 0 s: close() sends RST
 
 
@@ -63,6 +64,7 @@ class Exchange:
         self.body: RequestBody | None = None
         self.upstream: aiohttp.ClientResponse | None = None
         self.upstream_finished = False  # engine sent its whole response, or the hop failed
+        self.saw_done_event = False  # the last chunk relayed ended with ``data: [DONE]``
 
     async def run(self) -> web.StreamResponse:
         request, engine = self.request, self.target.engine
@@ -98,6 +100,7 @@ class Exchange:
         if client_id:
             response.headers[CLIENT_REQUEST_ID] = client_id[0]
         await response.prepare(request)
+        previous = b""
         while True:
             try:
                 chunk = await upstream.content.readany()
@@ -105,6 +108,11 @@ class Exchange:
                 return self._broken_mid_stream(response, exc)
             if not chunk:
                 break
+            # The OpenAI end-of-stream event means the engine is done: a client that closes on
+            # reading it (before the upstream's final chunk) is not a disconnect.
+            self.saw_done_event = (chunk if len(chunk) >= len(SSE_DONE)
+                                   else previous + chunk).endswith(SSE_DONE)
+            previous = chunk
             await response.write(chunk)
         self.upstream_finished = True
         upstream.release()
@@ -135,6 +143,9 @@ class Exchange:
 
     def cancel(self, reason: str) -> None:
         """The client is gone (or the sidecar is stopping): close upstream, abort the engine."""
+        if self.saw_done_event and self.upstream is not None:
+            self.upstream.close()
+            self.upstream_finished = True
         if not self.upstream_finished:
             self._stop(reason, disconnect=True)
 

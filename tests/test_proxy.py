@@ -35,6 +35,7 @@ from tests.fake_engine import FakeEngine, gzip_body
 from tests.upstreams import RawRequest, RawUpstream, refused_port
 
 GUARD_S = 5.0  # bound on any single wait that should take milliseconds
+CLI_GUARD_S = 15.0  # bound on a CLI subprocess starting (imports) or exiting
 REPO = Path(__file__).resolve().parent.parent
 SSE_HEADERS = [("Content-Type", "application/json")]
 
@@ -69,7 +70,8 @@ def assert_openai_error(status: int, body: bytes, expected_status: int, expected
         f"expected {{'error': {{message, type, param, code}}}}, got {doc!r}")
     assert error["type"] == expected_type, f"expected type {expected_type!r}, got {doc!r}"
     assert isinstance(error["message"], str) and error["message"], f"empty message in {doc!r}"
-    return doc
+    assert error["code"] == expected_status, f"expected code {expected_status}, got {doc!r}"
+    return error
 
 
 @contextlib.asynccontextmanager
@@ -98,7 +100,7 @@ async def test_method_path_and_query_reach_engine_byte_for_byte(
     async with asyncio.timeout(GUARD_S):
         resp = await rawhttp.exchange(
             sidecar.proxy_port, rawhttp.request_bytes(method, RAW_TARGET, headers, body))
-    assert resp.status == 200, f"{method}: expected 200 from /echo, got {resp.status}: {resp.body!r}"
+    assert resp.status == 200, f"{method}: expected 200 from /echo, got {resp.status} {resp.body!r}"
     echo = json.loads(resp.body)
     assert echo["method"] == method, f"engine saw method {echo['method']}, client sent {method}"
     assert echo["path_qs"] == RAW_TARGET, (
@@ -291,6 +293,15 @@ async def test_request_headers_rewritten_per_rfc9110(engine: FakeEngine, sidecar
         f"repeated request header not kept: {seen}")
     assert lower["x-request-id"] == resp.get("X-Request-Id"), (
         f"engine got id {lower.get('x-request-id')}, client was told {resp.get('X-Request-Id')}")
+
+
+async def test_forwarded_headers_start_with_the_client(engine: FakeEngine,
+                                                       sidecar: Servers) -> None:
+    async with asyncio.timeout(GUARD_S):
+        resp = await rawhttp.exchange(sidecar.proxy_port, rawhttp.request_bytes("GET", "/echo"))
+    seen = {k.lower(): v for k, v in json.loads(resp.body)["headers"]}
+    assert (seen.get("x-forwarded-for"), seen.get("x-forwarded-proto")) == ("127.0.0.1", "http"), (
+        f"expected X-Forwarded-For: 127.0.0.1 and X-Forwarded-Proto: http, engine saw {seen}")
 
 
 async def test_response_hop_by_hop_headers_dropped(start_sidecar: StartSidecar) -> None:
@@ -596,11 +607,11 @@ async def test_upstream_death_mid_stream_resets_an_http10_client(
 
 # --- The CLI -----------------------------------------------------------------------------------
 
-async def run_cli(*args: str, timeout: float = 15.0) -> tuple[int, str, str]:
+async def run_cli(*args: str) -> tuple[int, str, str]:
     proc = await asyncio.create_subprocess_exec(
         sys.executable, "-m", "sidecar", *args, cwd=REPO,
         stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE)
-    stdout, stderr = await asyncio.wait_for(proc.communicate(), timeout)
+    stdout, stderr = await asyncio.wait_for(proc.communicate(), CLI_GUARD_S)
     assert proc.returncode is not None
     return proc.returncode, stdout.decode(), stderr.decode()
 
@@ -640,7 +651,7 @@ async def test_cli_proxies_a_request(engine: FakeEngine, tmp_path: Path) -> None
             stdout=asyncio.subprocess.PIPE, stderr=stderr)
         try:
             assert proc.stdout is not None
-            line = (await asyncio.wait_for(proc.stdout.readline(), 15.0)).decode()
+            line = (await asyncio.wait_for(proc.stdout.readline(), CLI_GUARD_S)).decode()
             match = re.match(r"cancel-sidecar: proxy on 127\.0\.0\.1:(\d+)", line)
             assert match, f"expected the 'proxy on HOST:PORT' line, got {line!r}"
             async with asyncio.timeout(GUARD_S):
@@ -652,7 +663,7 @@ async def test_cli_proxies_a_request(engine: FakeEngine, tmp_path: Path) -> None
             assert engine.record.generations[0].request_id == resp.get("X-Request-Id"), (
                 "the engine should see the id the client is told")
             proc.send_signal(signal.SIGTERM)
-            code = await asyncio.wait_for(proc.wait(), 15.0)
+            code = await asyncio.wait_for(proc.wait(), CLI_GUARD_S)
             assert code == 0, f"expected exit 0 after SIGTERM, got {code}"
         finally:
             if proc.returncode is None:
