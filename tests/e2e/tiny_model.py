@@ -42,6 +42,12 @@ SPECIAL_TOKENS = ["<unk>", "<s>", "</s>", "<pad>"]
 SLOW_MODEL_KWARGS = dict(
     max_position_embeddings=8192, hidden_size=1024, num_hidden_layers=4, intermediate_size=2816
 )
+# The preset the e2e tests and the demo use: between the two above, ~250 tokens/s on 2 cores
+# (measured by tests/e2e/test_vllm_e2e.py), so a 4000-token generation lasts ~15 s and a
+# disconnect can be watched, while the engine still leaves CPU to its API server.
+E2E_MODEL_KWARGS = dict(
+    max_position_embeddings=8192, hidden_size=512, num_hidden_layers=4, intermediate_size=1408
+)
 _MARKER = "tiny_model_complete"
 
 _WORDS = (

