@@ -15,6 +15,10 @@ which the sidecar forwards untouched:
 
 Everything it sees is recorded on :class:`EngineRecord` for the test to inspect, with events a
 test can await instead of sleeping.
+
+Transparency routes (``tests/test_proxy.py``): ``/sink`` (streams the body in, answers its length
+and SHA-256), ``/status/{code}`` (that status with two Set-Cookie fields), ``/gzip`` (a gzip body
+byte for byte), ``/peer`` and ``/peer_stream`` (which upstream connection carried the request).
 """
 
 from __future__ import annotations
@@ -25,7 +29,7 @@ import hashlib
 import json
 import socket
 import time
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -363,7 +367,9 @@ class Watch:
 
 def _watch_middleware(watch: Watch) -> Any:
     @web.middleware
-    async def watch_requests(request: web.Request, handler: Any) -> web.StreamResponse:
+    async def watch_requests(request: web.Request,
+                             handler: Callable[[web.Request], Awaitable[web.StreamResponse]]
+                             ) -> web.StreamResponse:
         seen = Seen(request.method, request.path, request.headers.get("X-Request-Id"),
                     request.headers, request.content_length, time.monotonic())
         watch.seen.append(seen)
