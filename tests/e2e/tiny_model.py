@@ -87,8 +87,9 @@ def build_tiny_model(
 
     Idempotent: if ``dir`` already holds a completed build (marker file), nothing is done.
     Model (defaults): hidden 128, 2 heads (head_dim 64), 2 KV heads, 2 layers, intermediate 256,
-    max_position_embeddings (default 1024; serve with ``--max-model-len`` <= it), float32. Tokenizer: byte-level BPE, bos ``<s>``,
-    eos ``</s>``, pad ``<pad>``, unk ``<unk>``, with a simple ``chat_template``.
+    max_position_embeddings (default 1024; serve with ``--max-model-len`` <= it), float32.
+    Tokenizer: byte-level BPE, bos ``<s>``, eos ``</s>``, pad ``<pad>``, unk ``<unk>``, with a
+    simple ``chat_template``.
     """
     dir = Path(dir)
     if (dir / _MARKER).exists() and (dir / "config.json").exists():

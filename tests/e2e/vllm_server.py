@@ -6,7 +6,8 @@ Usage (from tests, repo root on sys.path)::
     from tests.e2e.vllm_server import vllm_server, read_metrics
 
     model = build_tiny_model(Path("/tmp/tiny-llama"))
-    with vllm_server(model, middleware=["tests.e2e.hide_disconnect.HideDisconnectMiddleware"]) as srv:
+    middleware = ["tests.e2e.hide_disconnect.HideDisconnectMiddleware"]
+    with vllm_server(model, middleware=middleware) as srv:
         httpx.post(f"{srv.base_url}/v1/completions", ...)
         m = read_metrics(srv.base_url)   # {"running": .., "waiting": .., "generation_tokens": ..}
 
@@ -39,9 +40,9 @@ import sys
 import time
 import urllib.error
 import urllib.request
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Iterator, Sequence
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 
