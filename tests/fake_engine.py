@@ -76,8 +76,8 @@ class EngineRecord:
     def aborted_ids(self) -> list[str]:
         return [i for a in self.aborts for i in a.ids]
 
-    async def wait_abort(self, timeout: float = 5.0) -> AbortRecord:
-        await asyncio.wait_for(self.abort_event.wait(), timeout)
+    async def wait_abort(self, guard_s: float = 5.0) -> AbortRecord:
+        await asyncio.wait_for(self.abort_event.wait(), guard_s)
         return self.aborts[0]
 
 
@@ -199,7 +199,8 @@ class FakeEngine:
         assert transport is not None
         if how == "rst":
             sock = transport.get_extra_info("socket")
-            sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, b"\x01\x00\x00\x00\x00\x00\x00\x00")
+            linger_on_zero = b"\x01\x00\x00\x00\x00\x00\x00\x00"  # l_onoff=1, l_linger=0
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, linger_on_zero)
             transport.abort()
         else:
             transport.close()

@@ -2,7 +2,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-import socket
 import time
 
 import aiohttp
@@ -27,7 +26,8 @@ async def test_disconnect_aborts(engine: FakeEngine, sidecar: Servers) -> None:
     reader, writer = await asyncio.open_connection("127.0.0.1", sidecar.proxy_port)
     body = json.dumps({"stream": True}).encode()
     writer.write(b"POST /v1/chat/completions?tokens=1000 HTTP/1.1\r\nHost: x\r\n"
-                 b"Content-Type: application/json\r\nContent-Length: %d\r\n\r\n%s" % (len(body), body))
+                 b"Content-Type: application/json\r\nContent-Length: %d\r\n\r\n%s"
+                 % (len(body), body))
     await writer.drain()
     await reader.readuntil(b"data:")
     closed = time.monotonic()
@@ -37,4 +37,5 @@ async def test_disconnect_aborts(engine: FakeEngine, sidecar: Servers) -> None:
     gen = engine.record.generations[0]
     assert rec.ids == [f"chatcmpl-{gen.request_id}"]
     assert rec.authorization == "Bearer sekret-key"
-    print("abort after", (rec.at - closed) * 1000, "ms; close after", (gen.closed_at - closed) * 1000)
+    print("abort after", (rec.at - closed) * 1000,
+          "ms; close after", (gen.closed_at - closed) * 1000)

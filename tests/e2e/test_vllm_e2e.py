@@ -297,6 +297,58 @@ async def test_through_sidecar_disconnect_stops_generation(
         f"{aborts_before} -> {aborts_after}")
 
 
+# --- (b2) every other generating route, through the sidecar -----------------------------------
+
+# name: (path, body without "model", engine requests). Bodies as vLLM 0.32 accepts them
+# (tests/e2e/probe_ids.py proved each route's id format with direct abort calls).
+ROUTE_CASES: dict[str, tuple[str, dict[str, Any], int]] = {
+    "messages stream": ("/v1/messages", {
+        "messages": [{"role": "user", "content": PROMPTS[0]}], "max_tokens": LONG_TOKENS,
+        "stream": True, "ignore_eos": True}, 1),
+    "responses stream": ("/v1/responses", {
+        "input": PROMPTS[0], "max_output_tokens": LONG_TOKENS, "stream": True,
+        "ignore_eos": True, "request_id": "resp_chosen-by-client"}, 1),
+    "chat batch, 2 conversations": ("/v1/chat/completions/batch", {
+        "messages": [[{"role": "user", "content": PROMPTS[0]}],
+                     [{"role": "user", "content": PROMPTS[1]}]],
+        "max_tokens": LONG_TOKENS, "ignore_eos": True}, 2),
+    "generate stream": ("/inference/v1/generate", {
+        "token_ids": [5, 6, 7, 8], "stream": True,
+        "sampling_params": {"max_tokens": LONG_TOKENS, "ignore_eos": True}}, 1),
+    "invocations (chat body)": ("/invocations", {
+        "messages": [{"role": "user", "content": PROMPTS[0]}], "max_tokens": LONG_TOKENS,
+        "stream": True, "ignore_eos": True}, 1),
+}
+
+
+@pytest.mark.parametrize("case", list(ROUTE_CASES))
+async def test_through_sidecar_every_generating_route_is_aborted(
+        case: str, sidecar: SidecarProcess, model_dir: Path, sampler: MetricsSampler,
+        results: dict[str, Any]) -> None:
+    path, body, requests = ROUTE_CASES[case]
+    aborts_before = sidecar_counter(sidecar, "cancel_sidecar_abort_calls_total", outcome="ok")
+    client = await RawClient.post(sidecar.base_url, path, {"model": str(model_dir), **body})
+    try:
+        if body.get("stream"):
+            await client.read_head()
+            assert client.status == 200, f"expected 200 for {case}, got {client.status}"
+            await client.read_events(2)
+        await sampler.wait_for(lambda s: s.running == requests, guard_s=30,
+                               what=f"{requests} running request(s) for {case}")
+    finally:
+        t0 = await client.disconnect("abort")
+    await sampler.wait_for(lambda s: s.running == 0 and s.waiting == 0, guard_s=20,
+                           what=f"running == 0 after the client left through the sidecar ({case})")
+    report = sampler.stop_report(t0)
+    record(results, case, "sidecar", report, rate_before(sampler, t0))
+    assert report.ms_to_idle is not None and report.ms_to_idle < STOP_GUARD_S * 1000, (
+        f"expected running == 0 within {STOP_GUARD_S}s of the disconnect, got {report}")
+    aborts_after = sidecar_counter(sidecar, "cancel_sidecar_abort_calls_total", outcome="ok")
+    assert aborts_after == aborts_before + 1, (
+        f"expected exactly one successful abort call by the sidecar, counter went "
+        f"{aborts_before} -> {aborts_after}")
+
+
 # --- (c) requests that stay: byte-identical -----------------------------------------------------
 
 SHORT = {"max_tokens": 24, "temperature": 0, "seed": 7, "ignore_eos": True}
