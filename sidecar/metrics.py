@@ -29,7 +29,7 @@ class Metrics:
         self.disconnects = Counter(
             "cancel_sidecar_client_disconnects_total",
             "Clients that disconnected before their response was complete, by phase "
-            "(request_body, before_first_byte, response_body).",
+            "(request_body, before_first_byte, awaiting_response, streaming).",
             ["route", "phase"], registry=registry)
         self.abort_calls = Counter(
             "cancel_sidecar_abort_calls_total",

@@ -158,8 +158,7 @@ class Exchange:
     def _stop(self, reason: str, *, disconnect: bool) -> None:
         noticed_at = time.monotonic()
         engine, request = self.target.engine, self.request
-        phase = ("request_body" if self.body is None or not self.body.complete
-                 else "before_first_byte" if self.upstream is None else "response_body")
+        phase = self._phase()
         if disconnect:
             self.metrics.disconnects.labels(self.target.prefix, phase).inc()
         ids: tuple[str, ...] = ()
@@ -173,6 +172,23 @@ class Exchange:
         self.upstream_finished = True
         log.info("request %s: %s during %s; upstream closed, %s", self.id, reason, phase,
                  f"aborting {len(ids)} engine id(s)" if ids else "nothing to abort")
+
+    def _phase(self) -> str:
+        """Where the request was when it stopped: ``request_body`` (the engine never had all of
+        it), ``before_first_byte`` (a stream was asked for; the engine queues or prefills),
+        ``awaiting_response`` (a non-streaming response is being computed or sent) or
+        ``streaming``. Cold path: the body copy is parsed only here."""
+        if self.body is None or not self.body.complete:
+            return "request_body"
+        if self.upstream is not None:
+            streamed = self.upstream.content_type == "text/event-stream"
+            return "streaming" if streamed else "awaiting_response"
+        copy = self.body.copy() or b""
+        try:
+            asked = b'"stream"' in copy and json.loads(copy).get("stream") is True
+        except (ValueError, AttributeError, RecursionError):
+            asked = False
+        return "before_first_byte" if asked else "awaiting_response"
 
     def _fail(self, exc: UpstreamError) -> web.Response:
         kind = type(exc).__name__.removeprefix("Upstream")

@@ -71,8 +71,8 @@ ROUTES: dict[str, tuple[str, dict[str, Any], Callable[[str], list[str]]]] = {
 # phase -> (query, stream?, the phase label the sidecar counts)
 PHASES: dict[str, tuple[str, bool, str]] = {
     "queued": ("?first_byte_delay=5", True, "before_first_byte"),
-    "non_streaming": ("?tokens=1000&interval=0.01", False, "before_first_byte"),
-    "mid_stream": ("?tokens=1000&interval=0.01", True, "response_body"),
+    "non_streaming": ("?tokens=1000&interval=0.01", False, "awaiting_response"),
+    "mid_stream": ("?tokens=1000&interval=0.01", True, "streaming"),
 }
 
 
@@ -588,7 +588,7 @@ async def test_non_generating_route_disconnect_closes_upstream_without_abort(
     await settle(sidecar.proxy_port)
     assert engine.record.aborts == [], f"expected no abort, got {engine.record.aborted_ids()}"
     counts = disconnect_counts(await metrics(sidecar.admin_port or 0))
-    assert counts == {("/", "before_first_byte"): 1}, counts
+    assert counts == {("/", "awaiting_response"): 1}, counts
 
 
 # -- a failing, slow or missing abort endpoint --------------------------------------------------
@@ -714,7 +714,7 @@ async def test_disconnect_metric_counts_each_phase_per_route(
         await stalls.wait(engine.record.started_event.wait(), "the engine to start the request")
         c.disconnect("fin")
         await stalls.wait(engine.record.closed_event.wait(), "the upstream connection to close")
-    # response_body on /v1
+    # streaming on /v1
     async with raw_client(port, stalls) as c:
         c.send("POST", f"{COMPLETIONS}?tokens=1000", request_body({"prompt": "a"}, True))
         await c.read_until(b"data:")
@@ -726,7 +726,7 @@ async def test_disconnect_metric_counts_each_phase_per_route(
     values = await metrics(servers.admin_port or 0)
     counts = disconnect_counts(values)
     assert counts == {("/v1", "request_body"): 1, ("/", "before_first_byte"): 1,
-                      ("/v1", "response_body"): 1}, f"unexpected disconnect counts {counts}"
+                      ("/v1", "streaming"): 1}, f"unexpected disconnect counts {counts}"
     requests = {(dict(k)["route"], dict(k)["status_class"]): v
                 for k, v in samples(values, "cancel_sidecar_requests_total").items()}
     assert requests.get(("/v1", "disconnected")) == 2, requests
@@ -802,7 +802,7 @@ async def test_cli_notices_mid_stream_disconnect(engine: FakeEngine, tmp_path: P
     assert [a.ids for a in abort] == [[f"cmpl-{rid}-{i}" for i in range(3)]], abort
     assert abort[0].authorization == f"Bearer {CLI_KEY}", abort[0].authorization
     assert engine.record.generations[0].request_id == rid
-    assert counts == {("/", "response_body"): 1}, counts
+    assert counts == {("/", "streaming"): 1}, counts
     log = stderr.read_text()
     assert rid in log and "aborted" in log, f"expected the abort logged with {rid}: {log}"
     assert CLI_KEY not in log, "the api key appeared in the CLI's log"
