@@ -8,7 +8,9 @@ Data flow for one request (modules named after the nouns)::
     client disconnect (aiohttp cancels the handler: proxy.py)
                    ──► upstream closed + engine abort (abort.py: own task, bounded, counted)
 
-``config.py`` turns YAML into frozen settings; ``app.py`` builds the proxy and admin applications
-with their state under typed keys; ``server.py`` runs them as production does; ``cli.py`` is the
-``cancel-sidecar`` command.
+``config.py`` turns YAML into frozen settings; ``runtime.py`` turns settings into one swappable
+generation (adapters, router, sessions; SIGHUP swaps it) and counts requests in flight;
+``app.py`` builds the proxy and admin applications with their state under typed keys;
+``server.py`` runs them as production does and drains them on SIGTERM; ``workers.py``
+supervises ``--workers N`` processes on one port; ``cli.py`` is the ``cancel-sidecar`` command.
 """

@@ -12,10 +12,12 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+from functools import partial
 
 import aiohttp
 
 from engine import AbortCall, EngineAdapter
+from sidecar.logs import RequestLog
 from sidecar.metrics import Metrics
 from sidecar.tasks import TaskSet
 
@@ -33,18 +35,25 @@ class Aborter:
         self._metrics = metrics
 
     def abort(self, engine: EngineAdapter, ids: tuple[str, ...], sidecar_id: str,
-              noticed_at: float) -> None:
+              noticed_at: float, request_log: RequestLog | None = None) -> None:
         """Start aborting ``ids`` (non-empty) at ``engine``; returns at once.
 
         ``noticed_at`` is the ``time.monotonic()`` at which the disconnect was noticed; the
-        abort latency metric is measured from it.
+        abort latency metric is measured from it. ``request_log`` is told of every call and
+        its outcome (``cancelled`` if the sidecar stopped first), so the request's access line
+        waits for them.
         """
         for call in engine.abort_calls(ids):
-            self._tasks.spawn(self._call(engine, call, sidecar_id, noticed_at),
-                              name=f"abort {engine.name} {sidecar_id}")
+            task = self._tasks.spawn(self._call(engine, call, sidecar_id, noticed_at),
+                                     name=f"abort {engine.name} {sidecar_id}")
+            if request_log is not None:
+                request_log.abort_started()
+                task.add_done_callback(partial(_report, request_log, noticed_at))
 
     async def _call(self, engine: EngineAdapter, call: AbortCall, sidecar_id: str,
-                    noticed_at: float) -> None:
+                    noticed_at: float) -> str:
+        """One abort call; returns its outcome (``ok``, ``http_<status>``, ``timeout``,
+        ``error``)."""
         url = engine.base_url + call.path
         try:
             async with asyncio.timeout(engine.settings.abort.timeout_s):
@@ -73,3 +82,15 @@ class Aborter:
                 hint = " (check engines.*.abort.api_key)"
             log.warning("request %s: abort at engine %s failed: %s%s", sidecar_id, engine.name,
                         detail, hint)
+        return outcome
+
+
+def _report(request_log: RequestLog, noticed_at: float, task: asyncio.Task[str]) -> None:
+    """Done-callback of an abort task: runs even if the task was cancelled before it began."""
+    if task.cancelled():
+        outcome = "cancelled"
+    elif task.exception() is not None:
+        outcome = "error"  # already logged by the TaskSet
+    else:
+        outcome = task.result()
+    request_log.abort_done(outcome, time.monotonic() - noticed_at)

@@ -1,8 +1,10 @@
 """The two aiohttp applications: the proxy (every path) and the admin listener.
 
 State lives on the application under typed keys (:mod:`sidecar.keys`), created and torn down in
-one ``cleanup_ctx`` generator: upstream sessions, engine adapters, the abort machinery. Teardown
-order: stop taking requests (the runner), let abort calls finish (bounded), close sessions.
+one ``cleanup_ctx`` generator: the config generation (:class:`~sidecar.runtime.Runtimes`: engine
+adapters, router, upstream sessions; swapped whole by :func:`reload`), the abort machinery.
+Teardown order: stop taking requests and drain them (``server.Servers.stop``), let abort calls
+finish (bounded), close sessions.
 """
 
 from __future__ import annotations
@@ -15,15 +17,13 @@ import aiohttp
 from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
 
-from engine import build_adapters
 from sidecar.abort import MAX_CONCURRENT_CALLS, Aborter
 from sidecar.config import Settings
-from sidecar.keys import ABORTER, ADAPTERS, METRICS, REGISTRY, ROUTER, SESSIONS, SETTINGS, TASKS
+from sidecar.keys import ABORTER, METRICS, REGISTRY, RUNTIME, SETTINGS, TASKS
 from sidecar.metrics import Metrics
 from sidecar.proxy import handle
-from sidecar.route import Router
+from sidecar.runtime import Runtime, Runtimes, describe_changes
 from sidecar.tasks import TaskSet
-from sidecar.upstream import make_session
 
 log = logging.getLogger(__name__)
 
@@ -31,14 +31,8 @@ ABORT_DRAIN_S = 5.0
 
 
 async def _engines_ctx(app: web.Application) -> AsyncIterator[None]:
-    settings = app[SETTINGS]
-    adapters = build_adapters(settings.engines)
-    app[ADAPTERS] = adapters
-    app[ROUTER] = Router(settings, adapters)
     app[TASKS] = tasks = TaskSet()
-    pooled = make_session(settings.upstream)
-    fresh = make_session(settings.upstream, fresh=True)
-    app[SESSIONS] = (pooled, fresh)
+    app[RUNTIME] = runtimes = Runtimes(Runtime.open(app[SETTINGS]), tasks)
     abort_session = aiohttp.ClientSession(
         connector=aiohttp.TCPConnector(limit=MAX_CONCURRENT_CALLS),
         cookie_jar=aiohttp.DummyCookieJar(), trust_env=False)
@@ -47,7 +41,31 @@ async def _engines_ctx(app: web.Application) -> AsyncIterator[None]:
         yield
     finally:
         await tasks.drain(ABORT_DRAIN_S)
-        await asyncio.gather(pooled.close(), fresh.close(), abort_session.close())
+        await asyncio.gather(runtimes.close(), abort_session.close())
+
+
+async def _proxy(request: web.Request) -> web.StreamResponse:
+    """Counts the request on the config generation it starts on, then proxies it."""
+    runtimes = request.app[RUNTIME]
+    runtime = runtimes.enter()
+    try:
+        return await handle(request, runtime)
+    finally:
+        runtimes.leave(runtime)
+
+
+def reload(app: web.Application, settings: Settings) -> tuple[list[str], list[str]]:
+    """Apply ``settings`` (already validated) to new requests on the proxy ``app``; requests
+    in flight finish on the config they started with.
+
+    Returns (changes applied, changes ignored until a restart), as from
+    :func:`sidecar.runtime.describe_changes`; nothing is swapped when nothing applies.
+    """
+    runtimes = app[RUNTIME]
+    applied, ignored = describe_changes(runtimes.current.settings, settings)
+    if applied:
+        runtimes.swap(settings)
+    return applied, ignored
 
 
 def make_app(settings: Settings, registry: CollectorRegistry) -> web.Application:
@@ -61,7 +79,7 @@ def make_app(settings: Settings, registry: CollectorRegistry) -> web.Application
     app[REGISTRY] = registry
     app[METRICS] = Metrics(registry)
     app.cleanup_ctx.append(_engines_ctx)
-    app.router.add_route("*", "/{path:.*}", handle)
+    app.router.add_route("*", "/{path:.*}", _proxy)
     return app
 
 
@@ -71,10 +89,10 @@ async def _healthz(request: web.Request) -> web.Response:
 
 async def _readyz(request: web.Request) -> web.Response:
     """Ready when every engine answers its health path (``GET /health``) with 2xx within 2 s."""
-    proxy_app = request.app[PROXY_APP]
-    session = proxy_app[SESSIONS][0]
+    runtime = request.app[RUNTIME].current
+    session = runtime.sessions[0]
     results: dict[str, str] = {}
-    for name, adapter in proxy_app[ADAPTERS].items():
+    for name, adapter in runtime.adapters.items():
         try:
             async with asyncio.timeout(2.0):
                 async with session.get(adapter.base_url + "/health") as resp:
@@ -91,14 +109,12 @@ async def _metrics(request: web.Request) -> web.Response:
     return web.Response(body=body, headers={"Content-Type": CONTENT_TYPE_LATEST})
 
 
-PROXY_APP = web.AppKey("proxy_app", web.Application)
-
-
-def make_admin_app(proxy_app: web.Application) -> web.Application:
-    """The admin application: ``/healthz``, ``/readyz``, ``/metrics`` (Prometheus text)."""
+def make_admin_app(runtimes: Runtimes, registry: CollectorRegistry) -> web.Application:
+    """The admin application: ``/healthz``, ``/readyz`` (the engines of ``runtimes.current``),
+    ``/metrics`` (Prometheus text of ``registry``)."""
     app = web.Application()
-    app[PROXY_APP] = proxy_app
-    app[REGISTRY] = proxy_app[REGISTRY]
+    app[RUNTIME] = runtimes
+    app[REGISTRY] = registry
     app.router.add_get("/healthz", _healthz)
     app.router.add_get("/readyz", _readyz)
     app.router.add_get("/metrics", _metrics)

@@ -1,7 +1,14 @@
 """``cancel-sidecar`` / ``python -m sidecar``: validate a config, or run the sidecar.
 
+Signals: SIGTERM/SIGINT stop (new connections refused, in-flight requests get
+``lifecycle.grace_period_s``, the rest are cancelled and aborted at their engine); SIGHUP
+re-reads ``--config`` and applies it to new requests, or keeps the running config and logs every
+problem. ``--workers N`` (N > 1) runs N proxy processes on one port under a supervisor
+(:mod:`sidecar.workers`).
+
 Exit status: 0 after a clean stop (SIGTERM/SIGINT) or a valid ``--check-config``; 1 for a bad
-config (every problem printed to stderr with its location); 2 for bad command-line usage.
+config (every problem printed to stderr with its location) or a worker that died; 2 for bad
+command-line usage.
 """
 
 from __future__ import annotations
@@ -11,17 +18,27 @@ import asyncio
 import logging
 import signal
 import sys
+import time
+from collections.abc import Callable
 from pathlib import Path
 
 import uvloop
 
-from sidecar import server
+from sidecar import app, server, workers
 from sidecar.config import Settings, load_config
 from sidecar.errors import ConfigError
+from sidecar.logs import configure_logging
 
 log = logging.getLogger("sidecar")
 
 DEFAULT_CONFIG = Path("config/sidecar.yaml")
+
+
+def _positive_int(text: str) -> int:
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be >= 1, got {value}")
+    return value
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -34,20 +51,56 @@ def _parser() -> argparse.ArgumentParser:
                    help="validate the config, print every problem, exit 0 or 1")
     p.add_argument("--log-level", default=None,
                    help="DEBUG, INFO, WARNING or ERROR (default: the config's log_level)")
+    p.add_argument("--log-format", choices=["json", "text"], default=None,
+                   help="one JSON object per line, or readable text (default: the config's "
+                        "log_format)")
+    p.add_argument("--workers", type=_positive_int, default=1,
+                   help="proxy processes sharing the listen port (default: %(default)s)")
+    # Internal: how the supervisor starts a worker (proxy only, SO_REUSEPORT on this port).
+    p.add_argument("--worker-port", type=int, default=None, help=argparse.SUPPRESS)
     return p
 
 
-async def _serve(settings: Settings) -> None:
-    servers = await server.start(settings)
+def read_new_config(path: Path) -> Settings | None:
+    """SIGHUP: re-read and validate ``path``; ``None`` (every problem logged) if it is bad."""
+    try:
+        return load_config(path)
+    except ConfigError as exc:
+        log.error("reload: keeping the running config; %s", exc)
+        return None
+
+
+def _reload(path: Path, apply: Callable[[Settings], tuple[list[str], list[str]]]) -> None:
+    started = time.monotonic()
+    settings = read_new_config(path)
+    if settings is None:
+        return
+    applied, ignored = apply(settings)
+    for change in ignored:
+        log.warning("reload: %s ignored: takes effect after a restart", change)
+    log.info("reload of %s done in %.1f ms: %s", path, (time.monotonic() - started) * 1000,
+             "; ".join(applied) if applied else "no change applies to requests")
+
+
+async def _serve(settings: Settings, config: Path, worker_port: int | None = None) -> None:
+    """One process: the proxy and admin listeners, or (``worker_port``) a supervised worker's
+    proxy listener on that port with SO_REUSEPORT."""
+    worker = worker_port is not None
+    servers = await server.start(settings, port=worker_port, reuse_port=worker, admin=not worker)
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
-    print(f"cancel-sidecar: proxy on {settings.listen.host}:{servers.proxy_port}"
-          + (f", admin on {settings.admin.host}:{servers.admin_port}" if settings.admin else ""),
-          flush=True)
+    loop.add_signal_handler(signal.SIGHUP, _reload, config,
+                            lambda new: app.reload(servers.app, new))
+    if worker:
+        print(f"cancel-sidecar worker: proxy on {settings.listen.host}:{servers.proxy_port}",
+              flush=True)
+    else:
+        print(f"cancel-sidecar: proxy on {settings.listen.host}:{servers.proxy_port}"
+              + (f", admin on {settings.admin.host}:{servers.admin_port}"
+                 if settings.admin else ""), flush=True)
     await stop.wait()
-    log.info("stopping: letting in-flight requests finish")
     await servers.stop()
 
 
@@ -66,9 +119,18 @@ def main(argv: list[str] | None = None) -> int:
     if level not in ("DEBUG", "INFO", "WARNING", "ERROR"):
         print(f"--log-level: unknown level {level!r}", file=sys.stderr)
         return 2
-    logging.basicConfig(level=level, format="%(asctime)s %(levelname)s %(name)s %(message)s")
+    configure_logging(level, args.log_format or settings.log_format)
     with asyncio.Runner(loop_factory=uvloop.new_event_loop) as runner:
-        runner.run(_serve(settings))
+        if args.workers > 1 and args.worker_port is None:
+            worker_args: list[str] = []
+            if args.log_level:
+                worker_args += ["--log-level", args.log_level]
+            if args.log_format:
+                worker_args += ["--log-format", args.log_format]
+            return runner.run(workers.Supervisor(
+                settings, args.config, args.workers, worker_args,
+                lambda: read_new_config(args.config)).run())
+        runner.run(_serve(settings, args.config, args.worker_port))
     return 0
 
 

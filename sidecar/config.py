@@ -12,6 +12,10 @@ Shape (see ``config/sidecar.yaml`` for the commented reference)::
     upstream: {connect_timeout_s, first_byte_timeout_s, keepalive_timeout_s, ...}
     engines:  {NAME: {kind, url, abort: {path, api_key, timeout_s}}}
     routes:   [{prefix, engine}]
+    lifecycle: {grace_period_s}                  how long a stop waits for in-flight requests
+
+A running sidecar re-reads the file on SIGHUP (see :mod:`sidecar.runtime`): engines, routes,
+upstream and lifecycle apply to new requests; listen, admin and log_level need a restart.
 """
 
 from __future__ import annotations
@@ -36,6 +40,7 @@ from pydantic import (
 )
 
 from sidecar.errors import ConfigError, ConfigProblem
+from sidecar.logs import LogFormat
 
 
 class EngineKind(enum.StrEnum):
@@ -145,6 +150,18 @@ class RouteSettings(_Model):
     engine: str
 
 
+class LifecycleSettings(_Model):
+    """How the sidecar stops (SIGTERM/SIGINT).
+
+    ``grace_period_s``: seconds in-flight requests may take to finish after new connections are
+    refused; what is still running then is cancelled (upstream closed, engine aborted), and the
+    abort calls get up to a further ``engines.*.abort.timeout_s``. The orchestrator's kill
+    deadline (Kubernetes: ``terminationGracePeriodSeconds``) must exceed the sum.
+    """
+
+    grace_period_s: Seconds = 30.0
+
+
 class Settings(_Model):
     """The whole validated config file, before cross-references are checked."""
 
@@ -153,7 +170,9 @@ class Settings(_Model):
     upstream: UpstreamSettings = UpstreamSettings()
     engines: Annotated[dict[str, EngineSettings], Field(min_length=1)]
     routes: Annotated[list[RouteSettings], Field(min_length=1)]
+    lifecycle: LifecycleSettings = LifecycleSettings()
     log_level: str = "INFO"
+    log_format: LogFormat = "json"
 
 
 _VAR = re.compile(r"\$\{([A-Za-z_][A-Za-z0-9_]*)(?::-([^}]*))?\}")

@@ -2,23 +2,25 @@
 
 from __future__ import annotations
 
-import aiohttp
+from typing import TYPE_CHECKING
+
 from aiohttp import web
 from prometheus_client import CollectorRegistry
 
-from engine import EngineAdapter
 from sidecar.abort import Aborter
 from sidecar.config import Settings
 from sidecar.metrics import Metrics
-from sidecar.route import Router
 from sidecar.tasks import TaskSet
 
+if TYPE_CHECKING:
+    from sidecar.runtime import Runtimes
+
+# The settings the proxy app was built with; reloads replace RUNTIME's generation, not this.
 SETTINGS = web.AppKey("settings", Settings)
 REGISTRY = web.AppKey("registry", CollectorRegistry)
 METRICS = web.AppKey("metrics", Metrics)
 TASKS = web.AppKey("tasks", TaskSet)
-ADAPTERS = web.AppKey("adapters", dict[str, EngineAdapter])
-ROUTER = web.AppKey("router", Router)
-# (pooled, fresh): see sidecar.upstream.make_session.
-SESSIONS = web.AppKey("sessions", tuple[aiohttp.ClientSession, aiohttp.ClientSession])
 ABORTER = web.AppKey("aborter", Aborter)
+# The current config generation (settings, adapters, router, upstream sessions) and the
+# in-flight count: sidecar.runtime. Each request reads it once, in app._proxy.
+RUNTIME: web.AppKey[Runtimes] = web.AppKey("runtime")

@@ -25,7 +25,9 @@ class Metrics:
             ["route", "status_class"], registry=registry)
         self.in_flight = Gauge(
             "cancel_sidecar_in_flight_requests", "Downstream requests being proxied now.",
-            ["route"], registry=registry)
+            ["route"], registry=registry,
+            # --workers N: the sum over live worker processes (sidecar.workers).
+            multiprocess_mode="livesum")
         self.disconnects = Counter(
             "cancel_sidecar_client_disconnects_total",
             "Clients that disconnected before their response was complete, by phase "

@@ -28,9 +28,11 @@ from multidict import CIMultiDict
 from sidecar.abort import Aborter
 from sidecar.errors import UpstreamError, UpstreamFirstByteTimeout
 from sidecar.headers import downstream_response_headers, upstream_request_headers
-from sidecar.keys import ABORTER, METRICS, ROUTER, SESSIONS, SETTINGS
+from sidecar.keys import ABORTER, METRICS
+from sidecar.logs import RequestLog
 from sidecar.metrics import Metrics
 from sidecar.route import RouteTarget
+from sidecar.runtime import Runtime
 from sidecar.upstream import RequestBody, open_upstream, upstream_url
 
 log = logging.getLogger(__name__)
@@ -54,8 +56,9 @@ def error_response(status: int, message: str, error_type: str,
 class Exchange:
     """One request's state across the downstream/upstream race."""
 
-    def __init__(self, request: web.Request, target: RouteTarget, aborter: Aborter,
-                 metrics: Metrics) -> None:
+    def __init__(self, request: web.Request, runtime: Runtime, target: RouteTarget,
+                 aborter: Aborter, metrics: Metrics) -> None:
+        self.runtime = runtime
         self.request = request
         self.target = target
         self.aborter = aborter
@@ -65,10 +68,16 @@ class Exchange:
         self.upstream: aiohttp.ClientResponse | None = None
         self.upstream_finished = False  # engine sent its whole response, or the hop failed
         self.saw_done_event = False  # the last chunk relayed ended with ``data: [DONE]``
+        # For the access line: what went downstream, and where the exchange was stopped.
+        self.status_sent: int | None = None
+        self.bytes_sent = 0
+        self.phase: str | None = None
+        self.access = RequestLog(self.id, request.method, request.path, target.prefix,
+                                 target.engine.name, request.headers.get(REQUEST_ID))
 
     async def run(self) -> web.StreamResponse:
         request, engine = self.request, self.target.engine
-        settings = request.app[SETTINGS].upstream
+        settings = self.runtime.settings.upstream
         headers = upstream_request_headers(request.headers, request.remote, request.scheme)
         client_id = headers.popall(REQUEST_ID, None)
         if client_id:
@@ -85,7 +94,7 @@ class Exchange:
         started = time.monotonic()
         try:
             upstream = await open_upstream(
-                request.app[SESSIONS], settings, request.method,
+                self.runtime.sessions, settings, request.method,
                 upstream_url(engine.base_url, request.raw_path), headers, self.body, self.id)
         except UpstreamError as exc:
             return self._fail(exc)
@@ -100,6 +109,7 @@ class Exchange:
         if client_id:
             response.headers[CLIENT_REQUEST_ID] = client_id[0]
         await response.prepare(request)
+        self.status_sent = response.status
         previous = b""
         while True:
             try:
@@ -114,6 +124,7 @@ class Exchange:
                                    else previous + chunk).endswith(SSE_DONE)
             previous = chunk
             await response.write(chunk)
+            self.bytes_sent += len(chunk)
         self.upstream_finished = True
         upstream.release()
         await response.write_eof()
@@ -158,7 +169,7 @@ class Exchange:
     def _stop(self, reason: str, *, disconnect: bool) -> None:
         noticed_at = time.monotonic()
         engine, request = self.target.engine, self.request
-        phase = self._phase()
+        phase = self.phase = self._phase()
         if disconnect:
             self.metrics.disconnects.labels(self.target.prefix, phase).inc()
         ids: tuple[str, ...] = ()
@@ -166,7 +177,7 @@ class Exchange:
             ids = engine.engine_request_ids(request.method, request.path, self.id,
                                             self.body.copy() if self.body else None)
         if ids:
-            self.aborter.abort(engine, ids, self.id, noticed_at)
+            self.aborter.abort(engine, ids, self.id, noticed_at, self.access)
         if self.upstream is not None:
             self.upstream.close()
         self.upstream_finished = True
@@ -227,20 +238,28 @@ class Exchange:
         return response
 
 
-async def handle(request: web.Request) -> web.StreamResponse:
-    """aiohttp handler for every path on the proxy listener."""
-    target = request.app[ROUTER].match(request.path)
+async def handle(request: web.Request, runtime: Runtime) -> web.StreamResponse:
+    """Proxy one request with the config generation ``runtime`` it started on."""
+    target = runtime.router.match(request.path)
     if target is None:
-        return error_response(404, f"no route for path {json.dumps(request.path)}",
-                              "route_not_found")
+        unrouted = error_response(404, f"no route for path {json.dumps(request.path)}",
+                                  "route_not_found")
+        RequestLog(uuid.uuid4().hex, request.method, request.path, None, None,
+                   request.headers.get(REQUEST_ID)
+                   ).handler_done(404, unrouted.content_length or 0, False, None)
+        return unrouted
     metrics = request.app[METRICS]
-    exchange = Exchange(request, target, request.app[ABORTER], metrics)
+    exchange = Exchange(request, runtime, target, request.app[ABORTER], metrics)
     in_flight = metrics.in_flight.labels(target.prefix)
     in_flight.inc()
     status_class = "disconnected"
+    gone = False
     try:
         response = await exchange.run()
         status_class = f"{response.status // 100}xx"
+        if exchange.status_sent is None:  # an error response, which aiohttp sends next
+            exchange.status_sent = response.status
+            exchange.bytes_sent = response.content_length or 0
         return response
     except asyncio.CancelledError:
         gone = request.transport is None or request.transport.is_closing()
@@ -248,9 +267,12 @@ async def handle(request: web.Request) -> web.StreamResponse:
         raise
     except ConnectionResetError:
         # A write found the client gone before the cancellation arrived.
+        gone = True
         exchange.cancel("client disconnected")
         return web.Response(status=499)
     finally:
         exchange.close()
         in_flight.dec()
         metrics.requests.labels(target.prefix, status_class).inc()
+        exchange.access.handler_done(exchange.status_sent, exchange.bytes_sent, gone,
+                                     exchange.phase)

@@ -3,11 +3,20 @@
 The one setting that matters most: ``handler_cancellation=True``. aiohttp's production default
 is ``False`` (its test server turns it on), and without it a lost client connection never
 reaches the handler, so the sidecar would never notice a disconnect.
+
+Stopping (:meth:`Servers.stop`) does aiohttp's ``AppRunner.cleanup()`` in steps of its own,
+because aiohttp 3.14's ``RequestHandler.shutdown(timeout)`` waits for a busy handler twice (for
+it to finish, then again after failing its request body), so a streaming straggler would hold
+the process for twice the grace period. Here: listening sockets close first (new connections are
+refused), idle keep-alive connections are closed, running requests get ``grace_period_s`` to
+finish, then the rest are cancelled, which closes their upstreams and starts their engine aborts;
+``cleanup()`` then finds nothing running and the app teardown waits for the abort calls.
 """
 
 from __future__ import annotations
 
 import logging
+import time
 from dataclasses import dataclass
 
 from aiohttp import web
@@ -15,49 +24,88 @@ from prometheus_client import CollectorRegistry
 
 from sidecar.app import make_admin_app, make_app
 from sidecar.config import Settings
+from sidecar.keys import RUNTIME
 
 log = logging.getLogger(__name__)
 
-SHUTDOWN_TIMEOUT_S = 10.0
+# What aiohttp's own shutdown may still wait for once the drain left no request running.
+SHUTDOWN_TIMEOUT_S = 1.0
 
 
 @dataclass
 class Servers:
-    """The running proxy and admin listeners; ``ports`` are the bound ports (config port 0 -> a
-    free one)."""
+    """The running proxy and (optional) admin listeners; ``*_port`` are the bound ports (config
+    port 0 -> a free one)."""
 
     proxy: web.AppRunner
     admin: web.AppRunner | None
     proxy_port: int
     admin_port: int | None
 
-    async def stop(self) -> None:
-        """Stop listening, let in-flight requests finish (bounded), then clean up."""
+    @property
+    def app(self) -> web.Application:
+        """The proxy application (its state: :mod:`sidecar.keys`)."""
+        return self.proxy.app
+
+    async def stop(self, grace_s: float | None = None) -> None:
+        """Refuse new connections, let in-flight requests finish for up to ``grace_s`` seconds
+        (default: the current config's ``lifecycle.grace_period_s``), cancel the rest (their
+        upstreams are closed and their engines aborted), wait for the abort calls (bounded by
+        the app teardown), close everything."""
+        runtimes = self.app[RUNTIME]
+        grace = runtimes.current.settings.lifecycle.grace_period_s if grace_s is None else grace_s
+        started = time.monotonic()
+        for site in list(self.proxy.sites):
+            await site.stop()
+        if self.proxy.server is not None:
+            self.proxy.server.pre_shutdown()  # idle keep-alive connections close now
+        running = runtimes.in_flight
+        if running:
+            log.info("stopping: new connections refused; waiting up to %.1f s for %d in-flight "
+                     "request(s)", grace, running)
+        finished, cancelled = await runtimes.drain(grace)
+        if cancelled:
+            log.warning("stopping: %d request(s) still running after the %.1f s grace period "
+                        "cancelled (upstream closed, engine aborted); %d finished", cancelled,
+                        grace, finished)
+        await self.proxy.cleanup()
         if self.admin is not None:
             await self.admin.cleanup()
-        await self.proxy.cleanup()
+        log.info("stopped in %.2f s (%d request(s) finished during the drain, %d cancelled)",
+                 time.monotonic() - started, finished, cancelled)
 
 
 def _bound_port(runner: web.AppRunner) -> int:
     return int(runner.addresses[0][1])
 
 
-async def start(settings: Settings, registry: CollectorRegistry | None = None) -> Servers:
-    """Start the proxy and admin listeners exactly as production runs them."""
+async def start(settings: Settings, registry: CollectorRegistry | None = None, *,
+                port: int | None = None, reuse_port: bool = False,
+                admin: bool = True) -> Servers:
+    """Start the proxy and admin listeners exactly as production runs them.
+
+    ``port`` overrides ``settings.listen.port`` and ``reuse_port`` sets SO_REUSEPORT (a worker
+    of :mod:`sidecar.workers`, sharing the port its supervisor chose); ``admin=False`` leaves
+    the admin listener to the supervisor. Raises ``OSError`` if a port cannot be bound.
+    """
     registry = registry or CollectorRegistry()
     app = make_app(settings, registry)
     proxy = web.AppRunner(app, handler_cancellation=True, access_log=None,
                           shutdown_timeout=SHUTDOWN_TIMEOUT_S)
     await proxy.setup()
-    await web.TCPSite(proxy, settings.listen.host, settings.listen.port, backlog=4096).start()
+    await web.TCPSite(proxy, settings.listen.host,
+                      settings.listen.port if port is None else port,
+                      backlog=4096, reuse_port=reuse_port or None).start()
     proxy_port = _bound_port(proxy)
-    admin = None
+    admin_runner = None
     admin_port = None
-    if settings.admin is not None:
-        admin = web.AppRunner(make_admin_app(app), access_log=None, shutdown_timeout=1.0)
-        await admin.setup()
-        await web.TCPSite(admin, settings.admin.host, settings.admin.port).start()
-        admin_port = _bound_port(admin)
+    if admin and settings.admin is not None:
+        admin_runner = web.AppRunner(make_admin_app(app[RUNTIME], registry), access_log=None,
+                                     shutdown_timeout=1.0)
+        await admin_runner.setup()
+        await web.TCPSite(admin_runner, settings.admin.host, settings.admin.port).start()
+        admin_port = _bound_port(admin_runner)
     log.info("proxy listening on %s:%d, admin on %s", settings.listen.host, proxy_port,
-             f"{settings.admin.host}:{admin_port}" if settings.admin else "(disabled)")
-    return Servers(proxy, admin, proxy_port, admin_port)
+             f"{settings.admin.host}:{admin_port}" if admin_runner and settings.admin
+             else "(disabled)")
+    return Servers(proxy, admin_runner, proxy_port, admin_port)

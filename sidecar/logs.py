@@ -1,0 +1,155 @@
+"""Logs: one formatter for every record, and one access line per request.
+
+:func:`configure_logging` sends every record (startup, warnings, the access lines) to stderr
+through one formatter: ``json`` (the default, one JSON object per line) or ``text`` (one readable
+line). aiohttp's own access log stays off; :class:`RequestLog` replaces it.
+
+The access line is written once per request, when the request is completely done: its handler
+has returned or been cancelled *and* every abort call it started has an outcome (abort calls run
+in their own tasks and outlive the handler). JSON fields, in order::
+
+    ts                   ISO 8601 UTC, milliseconds ("2025-01-31T12:00:00.123Z")
+    level, logger        "INFO", "sidecar.access"
+    msg                  "request"
+    request_id           the sidecar request id (32 hex characters)
+    client_request_id    the client's X-Request-Id, or null
+    route, engine        the matched route prefix and engine name (null: no route matched)
+    method, path         the request's method and path, never its query string (secrets)
+    status               the status sent downstream, or null if none was sent
+    duration_s           seconds from the request's arrival to the handler's end
+    bytes_sent           downstream body bytes relayed (framing not counted)
+    client_disconnected  true if the client left before its response was complete
+    phase                where the sidecar stopped the exchange (request_body,
+                         before_first_byte, awaiting_response, streaming), or null
+    abort                null, or the abort outcome: ok, http_<status>, timeout, error
+                         (cancelled: the sidecar shut down before the call ended)
+    abort_latency_s      seconds from noticing the disconnect to that outcome, or null
+
+Nothing secret is ever logged: no header values, no query strings, no abort key.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import sys
+import time
+from datetime import UTC, datetime
+from typing import Any, Literal
+
+LogFormat = Literal["json", "text"]
+ACCESS_LOGGER = "sidecar.access"
+
+access_log = logging.getLogger(ACCESS_LOGGER)
+
+_OK = "ok"  # a request with several abort calls reports the first that was not ok
+
+
+def configure_logging(level: str, fmt: LogFormat) -> None:
+    """Send every log record to stderr through one formatter, at ``level`` (``DEBUG``,
+    ``INFO``, ``WARNING`` or ``ERROR``, any case). Replaces any handler on the root logger."""
+    handler = logging.StreamHandler(sys.stderr)
+    handler.setFormatter(JsonFormatter() if fmt == "json" else TextFormatter())
+    root = logging.getLogger()
+    for old in root.handlers[:]:
+        root.removeHandler(old)
+    root.addHandler(handler)
+    root.setLevel(level.upper())
+
+
+def _timestamp(record: logging.LogRecord) -> str:
+    stamp = datetime.fromtimestamp(record.created, UTC).isoformat(timespec="milliseconds")
+    return stamp.removesuffix("+00:00") + "Z"
+
+
+class JsonFormatter(logging.Formatter):
+    """One JSON object per record: ``ts``, ``level``, ``logger``, ``msg``, then the access
+    fields of an access line, or ``exc`` (the traceback) for a record with exception info."""
+
+    def format(self, record: logging.LogRecord) -> str:
+        line: dict[str, Any] = {"ts": _timestamp(record), "level": record.levelname,
+                                "logger": record.name, "msg": record.getMessage()}
+        fields = getattr(record, "access", None)
+        if fields is not None:
+            line.update(fields)
+        if record.exc_info:
+            line["exc"] = self.formatException(record.exc_info)
+        elif record.exc_text:
+            line["exc"] = record.exc_text
+        return json.dumps(line, ensure_ascii=False, default=str)
+
+
+class TextFormatter(logging.Formatter):
+    """``TIME LEVEL LOGGER MESSAGE``; an access line adds its fields as ``key=value``."""
+
+    def __init__(self) -> None:
+        super().__init__("%(asctime)s %(levelname)s %(name)s %(message)s")
+
+    def formatMessage(self, record: logging.LogRecord) -> str:
+        text = super().formatMessage(record)
+        fields = getattr(record, "access", None)
+        if fields is None:
+            return text
+        pairs = " ".join(f"{k}={_text_value(v)}" for k, v in fields.items())
+        return f"{text} {pairs}"
+
+
+def _text_value(value: Any) -> str:
+    if value is None:
+        return "-"
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if isinstance(value, float):
+        return f"{value:.6f}".rstrip("0").rstrip(".") or "0"
+    return str(value)
+
+
+class RequestLog:
+    """One request's access line, filled in as the request goes.
+
+    It is written when both the handler (:meth:`handler_done`) and every abort call it started
+    (:meth:`abort_started` / :meth:`abort_done`) are done: exactly once. Cheap: plain
+    attributes, no per-chunk work; nothing is formatted unless INFO is enabled.
+    """
+
+    __slots__ = ("_abort", "_abort_latency", "_fields", "_pending", "_started")
+
+    def __init__(self, request_id: str, method: str, path: str, route: str | None,
+                 engine: str | None, client_request_id: str | None) -> None:
+        self._started = time.monotonic()
+        self._pending = 1  # the handler
+        self._abort: str | None = None
+        self._abort_latency: float | None = None
+        self._fields: dict[str, Any] = {
+            "request_id": request_id, "client_request_id": client_request_id,
+            "route": route, "engine": engine, "method": method, "path": path,
+        }
+
+    def abort_started(self) -> None:
+        """An abort call for this request started; the line waits for its outcome."""
+        self._pending += 1
+
+    def abort_done(self, outcome: str, latency_s: float) -> None:
+        """An abort call ended with ``outcome`` (``ok``, ``http_<status>``, ``timeout``,
+        ``error``, ``cancelled``), ``latency_s`` seconds after the disconnect was noticed."""
+        if self._abort is None or self._abort == _OK:
+            self._abort = outcome
+        self._abort_latency = max(latency_s, self._abort_latency or 0.0)
+        self._release()
+
+    def handler_done(self, status: int | None, bytes_sent: int, client_disconnected: bool,
+                     phase: str | None) -> None:
+        """The handler ended: ``status`` sent (``None``: none was), ``bytes_sent`` body bytes."""
+        self._fields.update(status=status, duration_s=round(time.monotonic() - self._started, 6),
+                            bytes_sent=bytes_sent, client_disconnected=client_disconnected,
+                            phase=phase)
+        self._release()
+
+    def _release(self) -> None:
+        self._pending -= 1
+        if self._pending == 0 and access_log.isEnabledFor(logging.INFO):
+            fields = self._fields
+            fields["abort"] = self._abort
+            fields["abort_latency_s"] = (None if self._abort_latency is None
+                                         else round(self._abort_latency, 6))
+            access_log.info("request", extra={"access": fields})

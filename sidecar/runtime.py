@@ -1,0 +1,184 @@
+"""What a config file turns into at run time, swapped whole on reload, and the in-flight count.
+
+A :class:`Runtime` is one generation of config-derived state: the settings, the engine adapters,
+the router and the upstream sessions. :class:`Runtimes` holds the current one (the proxy app keeps
+it under ``keys.RUNTIME``), counts the requests running on each, and:
+
+- ``swap(settings)`` (SIGHUP): new requests get a new generation; requests already running keep
+  the one they started on; a replaced generation's sessions are closed once no request that
+  started on it, or on an older one, is still running.
+- ``drain(grace_s)`` (SIGTERM): waits for running requests, then cancels what is left; each
+  cancelled handler closes its upstream and aborts its engine ids (``proxy.Exchange.cancel``).
+
+State shared by every generation (metrics, the abort session and its TaskSet) stays on the app.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from dataclasses import dataclass, field
+from typing import Any
+
+import aiohttp
+
+from engine import EngineAdapter, build_adapters
+from sidecar.config import Settings
+from sidecar.route import Router
+from sidecar.tasks import TaskSet
+from sidecar.upstream import make_session
+
+log = logging.getLogger(__name__)
+
+# Sections a running process applies on reload, and those only a restart applies.
+RELOADABLE = ("engines", "routes", "upstream", "lifecycle")
+NEEDS_RESTART = ("listen", "admin", "log_level", "log_format")
+
+CANCEL_WAIT_S = 5.0  # after the grace period: how long cancelled handlers may take to unwind
+
+
+@dataclass(eq=False)
+class Runtime:
+    """One generation of config-derived state. ``sessions`` is (pooled, fresh): see
+    :func:`sidecar.upstream.make_session`."""
+
+    generation: int
+    settings: Settings
+    adapters: dict[str, EngineAdapter]
+    router: Router
+    sessions: tuple[aiohttp.ClientSession, aiohttp.ClientSession]
+    in_flight: int = 0
+
+    @classmethod
+    def open(cls, settings: Settings, generation: int = 0) -> Runtime:
+        adapters = build_adapters(settings.engines)
+        sessions = (make_session(settings.upstream), make_session(settings.upstream, fresh=True))
+        return cls(generation, settings, adapters, Router(settings, adapters), sessions)
+
+    async def close(self) -> None:
+        await asyncio.gather(*(s.close() for s in self.sessions))
+
+
+@dataclass(eq=False)
+class Runtimes:
+    """The current :class:`Runtime` and the replaced ones still in use."""
+
+    current: Runtime
+    tasks: TaskSet
+    _retired: list[Runtime] = field(default_factory=list)
+    _handlers: set[asyncio.Task[Any]] = field(default_factory=set)
+    _idle: asyncio.Event = field(default_factory=asyncio.Event)
+
+    def enter(self) -> Runtime:
+        """A request starts: it runs on the current generation. Pair with :meth:`leave`."""
+        runtime = self.current
+        runtime.in_flight += 1
+        task = asyncio.current_task()
+        if task is not None:
+            self._handlers.add(task)
+        return runtime
+
+    def leave(self, runtime: Runtime) -> None:
+        runtime.in_flight -= 1
+        task = asyncio.current_task()
+        if task is not None:
+            self._handlers.discard(task)
+        if not self._handlers:
+            self._idle.set()
+        if self._retired:
+            self._close_unused()
+
+    def swap(self, settings: Settings) -> Runtime:
+        """Make a new generation from ``settings`` current; returns it."""
+        old = self.current
+        self.current = Runtime.open(settings, old.generation + 1)
+        self._retired.append(old)
+        self._close_unused()
+        return self.current
+
+    def _close_unused(self) -> None:
+        # A request uses the generation it entered on (proxy.handle gets it from enter()).
+        for runtime in [r for r in self._retired if not r.in_flight]:
+            self._retired.remove(runtime)
+            self.tasks.spawn(runtime.close(), name=f"close sessions of config {runtime.generation}")
+
+    @property
+    def in_flight(self) -> int:
+        return len(self._handlers)
+
+    async def drain(self, grace_s: float) -> tuple[int, int]:
+        """Wait up to ``grace_s`` seconds for running requests, then cancel the rest and wait
+        (up to ``CANCEL_WAIT_S``) for their handlers to unwind, which starts their aborts.
+
+        Returns (requests that finished within the grace period, requests cancelled).
+        """
+        running = len(self._handlers)
+        if running:
+            self._idle.clear()
+            try:
+                async with asyncio.timeout(grace_s):
+                    await self._idle.wait()
+            except TimeoutError:
+                pass
+        stragglers = set(self._handlers)
+        for task in stragglers:
+            task.cancel("sidecar stopping: grace period over")
+        if stragglers:
+            _, stuck = await asyncio.wait(stragglers, timeout=CANCEL_WAIT_S)
+            if stuck:
+                log.error("%d request handler(s) did not unwind within %.0f s of being "
+                          "cancelled", len(stuck), CANCEL_WAIT_S)
+        return running - len(stragglers), len(stragglers)
+
+    async def close(self) -> None:
+        """Close every generation's sessions (at teardown, after :meth:`drain`)."""
+        runtimes, self._retired = [*self._retired, self.current], []
+        await asyncio.gather(*(r.close() for r in runtimes))
+
+
+def describe_changes(old: Settings, new: Settings) -> tuple[list[str], list[str]]:
+    """What differs between two configs: (changes applied on reload, changes that need a
+    restart), each a list of human-readable lines naming the dotted key. Secrets are compared,
+    never shown."""
+    applied: list[str] = []
+    ignored: list[str] = []
+    for section in (*RELOADABLE, *NEEDS_RESTART):
+        before, after = getattr(old, section), getattr(new, section)
+        if before == after:
+            continue
+        target = applied if section in RELOADABLE else ignored
+        if section == "engines":
+            for name in sorted(before.keys() - after.keys()):
+                target.append(f"engines.{name} removed")
+            for name in sorted(after.keys() - before.keys()):
+                target.append(f"engines.{name} added ({after[name].url})")
+            for name in sorted(before.keys() & after.keys()):
+                if before[name] != after[name]:
+                    target.extend(_field_changes(f"engines.{name}", before[name].model_dump(),
+                                                 after[name].model_dump()))
+        elif section == "routes":
+            target.append("routes: " + _routes(before) + " -> " + _routes(after))
+        elif hasattr(before, "model_dump") and hasattr(after, "model_dump"):
+            target.extend(_field_changes(section, before.model_dump(), after.model_dump()))
+        else:
+            target.append(f"{section}: {before!r} -> {after!r}")
+    return applied, ignored
+
+
+def _routes(routes: list[Any]) -> str:
+    return "[" + ", ".join(f"{r.prefix} -> {r.engine}" for r in routes) + "]"
+
+
+def _field_changes(loc: str, before: dict[str, Any], after: dict[str, Any]) -> list[str]:
+    lines: list[str] = []
+    for key in sorted(before.keys() | after.keys()):
+        a, b = before.get(key), after.get(key)
+        if a == b:
+            continue
+        if isinstance(a, dict) and isinstance(b, dict):
+            lines.extend(_field_changes(f"{loc}.{key}", a, b))
+        elif key == "api_key" or "SecretStr" in type(a).__name__ + type(b).__name__:
+            lines.append(f"{loc}.{key} changed")
+        else:
+            lines.append(f"{loc}.{key}: {a!s} -> {b!s}")
+    return lines

@@ -1,0 +1,216 @@
+"""``--workers N``: N proxy processes on one port, supervised by the process that started them.
+
+Shape::
+
+    supervisor (this module)     admin listener: /healthz, /readyz, /metrics summed over workers
+      ├── worker 1: python -m sidecar --config FILE --worker-port P   (proxy only, SO_REUSEPORT)
+      └── worker N: ...
+
+The supervisor binds the proxy address itself first (SO_REUSEPORT, not listening) so that a
+configured port 0 becomes one real port every worker shares, and holds it until every worker
+listens; the kernel then spreads new connections across the workers. Each worker prints
+``cancel-sidecar worker: proxy on HOST:PORT`` on its stdout when it listens; the supervisor then
+prints the same ready line as a single process.
+
+Signals: SIGTERM/SIGINT and SIGHUP are forwarded to every worker (each drains, or reloads the
+file, on its own); SIGHUP also reloads the supervisor's engines for ``/readyz``. Exit status: 0
+when every worker exited 0 after a stop; 1 if a worker died unexpectedly (the others are then
+stopped) or failed to start.
+
+Metrics: prometheus-client's multiprocess mode. ``PROMETHEUS_MULTIPROC_DIR`` is a fresh
+temporary directory per run (removed at exit); workers write their samples there, the admin
+side sums them with ``MultiProcessCollector``; a worker's live gauges are dropped when it exits
+(``mark_process_dead``).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import re
+import shutil
+import signal
+import socket
+import sys
+import tempfile
+from collections.abc import Callable
+from pathlib import Path
+
+from aiohttp import web
+from prometheus_client import CollectorRegistry, multiprocess
+
+from sidecar.app import make_admin_app
+from sidecar.config import Settings
+from sidecar.runtime import Runtime, Runtimes, describe_changes
+from sidecar.tasks import TaskSet
+
+log = logging.getLogger(__name__)
+
+READY_S = 30.0  # how long a worker may take to start listening
+WORKER_READY = re.compile(r"cancel-sidecar worker: proxy on (.+):(\d+)$")
+
+
+def reserve_port(host: str, port: int) -> socket.socket:
+    """A socket bound (not listening) to ``host:port`` with SO_REUSEPORT; port 0 picks a free
+    one. Workers bind the same address with SO_REUSEPORT. Raises ``OSError``."""
+    family, type_, proto, _, address = socket.getaddrinfo(
+        host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)[0]
+    sock = socket.socket(family, type_, proto)
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
+        sock.bind(address)
+    except OSError:
+        sock.close()
+        raise
+    return sock
+
+
+class Supervisor:
+    """Starts, signals and reaps the workers; serves the admin listener."""
+
+    def __init__(self, settings: Settings, config: Path, workers: int,
+                 worker_args: list[str], reload: Callable[[], Settings | None]) -> None:
+        self.settings = settings
+        self.config = config
+        self.count = workers
+        self.worker_args = worker_args
+        self.reload_config = reload
+        self.procs: list[asyncio.subprocess.Process] = []
+        self.tasks = TaskSet()
+        self.stopping = False
+        self.failed = False
+        self.metrics_dir = Path(tempfile.mkdtemp(prefix="cancel-sidecar-metrics-"))
+
+    async def run(self) -> int:
+        """Run until the workers exit; returns the exit status."""
+        try:
+            return await self._run()
+        finally:
+            shutil.rmtree(self.metrics_dir, ignore_errors=True)
+
+    async def _run(self) -> int:
+        try:
+            reserved = reserve_port(self.settings.listen.host, self.settings.listen.port)
+        except OSError as exc:
+            log.error("cannot bind the proxy address %s:%d: %s", self.settings.listen.host,
+                      self.settings.listen.port, exc)
+            return 1
+        with reserved:
+            port = int(reserved.getsockname()[1])
+            if not await self._spawn_all(port):
+                await self._stop_workers()
+                return 1
+        runtimes = Runtimes(Runtime.open(self.settings), self.tasks)
+        admin, admin_port = await self._start_admin(runtimes)
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            loop.add_signal_handler(sig, self._stop)
+        loop.add_signal_handler(signal.SIGHUP, self._hup, runtimes)
+        print(f"cancel-sidecar: proxy on {self.settings.listen.host}:{port}"
+              + (f", admin on {self.settings.admin.host}:{admin_port}"
+                 if self.settings.admin else ""), flush=True)
+        log.info("%d workers (pids %s) serving %s:%d", self.count,
+                 ", ".join(str(p.pid) for p in self.procs), self.settings.listen.host, port)
+        try:
+            await self._reap()
+        finally:
+            for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
+                loop.remove_signal_handler(sig)
+            if admin is not None:
+                await admin.cleanup()
+            await self.tasks.drain(1.0)
+            await runtimes.close()
+        return 1 if self.failed else 0
+
+    def _worker_env(self) -> dict[str, str]:
+        return {**os.environ, "PROMETHEUS_MULTIPROC_DIR": str(self.metrics_dir)}
+
+    async def _spawn_all(self, port: int) -> bool:
+        """Start every worker and wait until each listens on ``port``; False if one failed."""
+        for _ in range(self.count):
+            proc = await asyncio.create_subprocess_exec(
+                sys.executable, "-m", "sidecar", "--config", str(self.config),
+                "--worker-port", str(port), *self.worker_args,
+                stdin=asyncio.subprocess.DEVNULL, stdout=asyncio.subprocess.PIPE,
+                env=self._worker_env())
+            self.procs.append(proc)
+        for proc in self.procs:
+            assert proc.stdout is not None
+            try:
+                line = (await asyncio.wait_for(proc.stdout.readline(), READY_S)).decode()
+            except TimeoutError:
+                line = ""
+            if not WORKER_READY.match(line.strip()):
+                log.error("worker %d did not start (printed %r, exit status %s)", proc.pid,
+                          line, proc.returncode)
+                return False
+            self.tasks.spawn(self._relay_stdout(proc), name=f"stdout of worker {proc.pid}")
+        return True
+
+    @staticmethod
+    async def _relay_stdout(proc: asyncio.subprocess.Process) -> None:
+        assert proc.stdout is not None
+        while line := await proc.stdout.readline():
+            sys.stdout.write(line.decode(errors="replace"))
+            sys.stdout.flush()
+
+    async def _start_admin(self, runtimes: Runtimes) -> tuple[web.AppRunner | None, int | None]:
+        if self.settings.admin is None:
+            return None, None
+        registry = CollectorRegistry()
+        multiprocess.MultiProcessCollector(  # type: ignore[no-untyped-call]
+            registry, path=str(self.metrics_dir))
+        runner = web.AppRunner(make_admin_app(runtimes, registry), access_log=None,
+                               shutdown_timeout=1.0)
+        await runner.setup()
+        await web.TCPSite(runner, self.settings.admin.host, self.settings.admin.port).start()
+        return runner, int(runner.addresses[0][1])
+
+    def _mark_dead(self, pid: int) -> None:
+        """Drop an exited worker's live gauges (its counters still count)."""
+        multiprocess.mark_process_dead(pid, str(self.metrics_dir))  # type: ignore[no-untyped-call]
+
+    def _signal_workers(self, sig: signal.Signals) -> None:
+        for proc in self.procs:
+            if proc.returncode is None:
+                proc.send_signal(sig)
+
+    def _stop(self) -> None:
+        if not self.stopping:
+            log.info("stopping: SIGTERM forwarded to %d worker(s)", self.count)
+        self.stopping = True
+        self._signal_workers(signal.SIGTERM)
+
+    def _hup(self, runtimes: Runtimes) -> None:
+        self._signal_workers(signal.SIGHUP)
+        settings = self.reload_config()
+        if settings is not None:
+            applied, _ = describe_changes(runtimes.current.settings, settings)
+            if applied:
+                runtimes.swap(settings)
+
+    async def _stop_workers(self) -> None:
+        self.stopping = True
+        self._signal_workers(signal.SIGTERM)
+        await asyncio.gather(*(p.wait() for p in self.procs))
+        for proc in self.procs:
+            self._mark_dead(proc.pid)
+
+    async def _reap(self) -> None:
+        """Wait for every worker to exit; one that exits unasked stops the others."""
+        waits = {asyncio.ensure_future(p.wait()): p for p in self.procs}
+        while waits:
+            done, _ = await asyncio.wait(waits, return_when=asyncio.FIRST_COMPLETED)
+            for future in done:
+                proc = waits.pop(future)
+                self._mark_dead(proc.pid)
+                if not self.stopping:
+                    log.error("worker %d exited unexpectedly (status %s); stopping the others",
+                              proc.pid, proc.returncode)
+                    self.failed = True
+                    self._stop()
+                elif proc.returncode != 0:
+                    log.error("worker %d exited with status %s", proc.pid, proc.returncode)
+                    self.failed = True

@@ -1,0 +1,73 @@
+"""``--workers 2``: two proxy processes share the port, the supervisor's admin listener sums
+their metrics, and SIGTERM stops them all with exit 0.
+
+Which worker served a request is read from the sockets: the fake engine records the upstream-side
+client port of every ``/peer`` request, and each worker process owns the pooled upstream
+connection with that local port (psutil). The ``/metrics`` totals come from prometheus-client's
+multiprocess files, summed by the supervisor.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import signal
+import time
+from pathlib import Path
+
+import aiohttp
+import psutil
+import pytest
+from prometheus_client.parser import text_string_to_metric_families
+
+from tests.cli_process import cli_process, config_tree
+from tests.fake_engine import FakeEngine
+
+pytestmark = pytest.mark.timeout(60)
+
+REQUESTS = 40
+WAIT_S = 10.0
+
+
+async def requests_total(admin_port: int) -> float:
+    async with aiohttp.ClientSession() as session:
+        async with session.get(f"http://127.0.0.1:{admin_port}/metrics") as resp:
+            text = await resp.text()
+    return sum(sample.value for family in text_string_to_metric_families(text)
+               if family.name == "cancel_sidecar_requests"
+               for sample in family.samples if sample.name == "cancel_sidecar_requests_total")
+
+
+async def test_two_workers_share_the_port_and_the_metrics_add_up(
+        engine: FakeEngine, tmp_path: Path) -> None:
+    async with cli_process(tmp_path, config_tree(engine.url), "--workers", "2") as cli:
+        workers = psutil.Process(cli.proc.pid).children()
+        assert len(workers) == 2, f"expected 2 worker processes, got {workers}"
+        # A new downstream connection per request: the kernel spreads them over the workers.
+        connector = aiohttp.TCPConnector(force_close=True)
+        async with aiohttp.ClientSession(connector=connector) as session:
+            for _ in range(REQUESTS):
+                async with session.get(f"http://127.0.0.1:{cli.proxy_port}/peer") as resp:
+                    assert resp.status == 200, f"expected 200, got {resp.status}"
+        served = {w.pid: {c.laddr.port for c in w.net_connections("tcp")} & set(engine.peers)
+                  for w in workers}
+        # Counters are written by each worker as its handler ends, possibly just after the
+        # client read the response: wait (bounded) for the total to arrive.
+        deadline = time.monotonic() + WAIT_S
+        while (total := await requests_total(cli.admin_port)) < REQUESTS:
+            assert time.monotonic() < deadline, (
+                f"expected {REQUESTS} requests in /metrics within {WAIT_S} s, got {total}")
+            await asyncio.sleep(0.05)
+        async with aiohttp.ClientSession() as session:
+            async with session.get(f"http://127.0.0.1:{cli.admin_port}/healthz") as resp:
+                health = resp.status
+            async with session.get(f"http://127.0.0.1:{cli.admin_port}/readyz") as resp:
+                ready = resp.status
+        cli.signal(signal.SIGTERM)
+        code = await cli.wait_exit()
+        still = [w.pid for w in workers if w.is_running() and w.status() != "zombie"]
+    print(f"[workers] upstream ports per worker pid: { {p: len(s) for p, s in served.items()} }")
+    assert all(served.values()), f"expected both workers to serve requests, got {served}"
+    assert total == REQUESTS, f"expected /metrics to total {REQUESTS} requests, got {total}"
+    assert (health, ready) == (200, 200), f"expected /healthz and /readyz 200, got {health, ready}"
+    assert code == 0, f"expected exit 0 after SIGTERM, got {code}; stderr:\n{cli.stderr}"
+    assert still == [], f"expected every worker gone after the supervisor exits, got {still}"
