@@ -6,7 +6,9 @@ An adapter answers three questions for the proxy, all pure functions of the requ
    (:meth:`EngineAdapter.tag`, e.g. the ``X-Request-Id`` header for vLLM);
 2. which engine request ids a request produced (:meth:`EngineAdapter.engine_request_ids`,
    from the path, the sidecar request id and, where the count depends on it, the body);
-3. which HTTP calls abort those ids (:meth:`EngineAdapter.abort_calls`).
+3. which HTTP call aborts a batch of ids (:meth:`EngineAdapter.abort_call`, at most
+   :attr:`EngineAdapter.max_ids_per_call` of them; the sidecar batches the ids of many requests
+   into one call).
 
 The proxy owns all network I/O; adapters never touch a socket, so each can be tested exhaustively
 (and property-tested) on its own.
@@ -35,12 +37,25 @@ class EngineAdapter(abc.ABC):
 
     kind: ClassVar[EngineKind]
     default_abort_path: ClassVar[str | None]
+    # How many ids one abort call may name: 1 for an engine that aborts one id per call.
+    max_ids_per_call: ClassVar[int]
 
     def __init__(self, name: str, settings: EngineSettings) -> None:
         self.name = name
         self.settings = settings
         self.base_url = str(settings.url).rstrip("/")
         self.abort_path = settings.abort.path or self.default_abort_path
+        configured = {self.abort_path.rstrip("/")} if self.abort_path else set()
+        self._forbidden_paths = self.extra_forbidden_paths | configured
+
+    # Engine paths that abort work by id, besides ``abort_path``: never proxied for clients.
+    extra_forbidden_paths: ClassVar[frozenset[str]] = frozenset()
+
+    def forbidden_paths(self) -> frozenset[str]:
+        """Paths (percent-decoded, no trailing slash) the proxy refuses with 403: the engine's
+        abort endpoints, so that only the sidecar can abort and no client can abort another's
+        request."""
+        return self._forbidden_paths
 
     def abort_headers(self) -> dict[str, str]:
         """Headers for an abort call: the bearer key, if configured. Never logged."""
@@ -76,5 +91,14 @@ class EngineAdapter(abc.ABC):
         """
 
     @abc.abstractmethod
+    def abort_call(self, ids: tuple[str, ...]) -> AbortCall:
+        """The one call that aborts ``ids`` (1 to :attr:`max_ids_per_call` of them, possibly of
+        several requests). Raises ``ValueError`` on an empty tuple or too many ids."""
+
     def abort_calls(self, ids: tuple[str, ...]) -> list[AbortCall]:
-        """The calls that abort ``ids`` (non-empty). Raises ``ValueError`` on an empty tuple."""
+        """The calls that abort ``ids`` (non-empty): chunks of at most :attr:`max_ids_per_call`,
+        in order, each id named once. Raises ``ValueError`` on an empty tuple."""
+        if not ids:
+            raise ValueError("refusing an empty id list: an engine may read it as 'abort all'")
+        step = self.max_ids_per_call
+        return [self.abort_call(ids[i:i + step]) for i in range(0, len(ids), step)]

@@ -35,6 +35,8 @@ Facts (vLLM 0.32, read in the installed source and proven on a real engine by ``
 - The abort endpoint exists only when vLLM runs with ``--enable-scale-out``; otherwise it answers
   403. It answers 200 at once and ignores unknown ids. It is guarded by ``--api-key``.
 - Never send an empty id list: the dev-mode route ``/abort_requests`` reads that as "abort all".
+- The endpoint takes a list, so one call aborts many requests; the sidecar caps a call at
+  ``MAX_IDS_PER_CALL`` ids (its choice, not vLLM's: about 25 KB of JSON per call).
 """
 
 from __future__ import annotations
@@ -47,6 +49,7 @@ from engine.base import AbortCall, EngineAdapter
 from sidecar.config import EngineKind
 
 REQUEST_ID_HEADER = "X-Request-Id"
+MAX_IDS_PER_CALL = 512
 
 
 def count_prompts(body: Any) -> int:
@@ -134,6 +137,9 @@ class VLLMAdapter(EngineAdapter):
 
     kind = EngineKind.VLLM
     default_abort_path = "/inference/v1/abort_requests"
+    max_ids_per_call = MAX_IDS_PER_CALL
+    # Dev-mode (VLLM_SERVER_DEV_MODE=1) abort route: an empty list there aborts EVERY request.
+    extra_forbidden_paths = frozenset({"/inference/v1/abort_requests", "/abort_requests"})
 
     def tag(self, path: str, sidecar_id: str, headers: MutableMapping[str, str]) -> None:
         headers[REQUEST_ID_HEADER] = sidecar_id
@@ -162,8 +168,11 @@ class VLLMAdapter(EngineAdapter):
         parsed["request_id"] = f"resp_{sidecar_id}"
         return json.dumps(parsed, separators=(",", ":")).encode()
 
-    def abort_calls(self, ids: tuple[str, ...]) -> list[AbortCall]:
+    def abort_call(self, ids: tuple[str, ...]) -> AbortCall:
+        """``POST <abort path>`` with ``{"request_ids": [...ids]}``."""
         if not ids:
             raise ValueError("refusing an empty id list: a dev-mode vLLM aborts everything on it")
+        if len(ids) > self.max_ids_per_call:
+            raise ValueError(f"{len(ids)} ids in one abort call; at most {self.max_ids_per_call}")
         assert self.abort_path is not None
-        return [AbortCall(self.abort_path, {"request_ids": list(ids)})]
+        return AbortCall(self.abort_path, {"request_ids": list(ids)})

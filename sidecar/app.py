@@ -15,15 +15,17 @@ from collections.abc import AsyncIterator
 
 import aiohttp
 from aiohttp import web
+from aiohttp.typedefs import Handler
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
 
 from sidecar.abort import MAX_CONCURRENT_CALLS, Aborter
 from sidecar.config import Settings
 from sidecar.keys import ABORTER, METRICS, REGISTRY, RUNTIME, SETTINGS, TASKS
 from sidecar.metrics import Metrics
-from sidecar.proxy import handle
+from sidecar.proxy import error_response, handle
 from sidecar.runtime import Runtime, Runtimes, describe_changes
 from sidecar.tasks import TaskSet
+from sidecar.upstream import MAX_HEADER_BYTES
 
 log = logging.getLogger(__name__)
 
@@ -68,13 +70,27 @@ def reload(app: web.Application, settings: Settings) -> tuple[list[str], list[st
     return applied, ignored
 
 
+@web.middleware
+async def _json_errors(request: web.Request, handler: Handler) -> web.StreamResponse:
+    """aiohttp's own refusals (e.g. a request target that is no path, ``OPTIONS *``) get the
+    same OpenAI-style JSON body as the proxy's."""
+    try:
+        return await handler(request)
+    except web.HTTPException as exc:
+        if exc.status < 400:
+            raise
+        return error_response(exc.status, exc.reason, "invalid_request")
+
+
 def make_app(settings: Settings, registry: CollectorRegistry) -> web.Application:
     """The proxy application: every method and path goes through :func:`sidecar.proxy.handle`.
 
     ``client_max_size`` only limits ``request.read()``, which the proxy never calls: bodies
     stream through uncapped.
     """
-    app = web.Application(handler_args={"max_field_size": 65536})
+    app = web.Application(handler_args={"max_field_size": MAX_HEADER_BYTES,
+                                        "max_line_size": MAX_HEADER_BYTES},
+                          middlewares=[_json_errors])
     app[SETTINGS] = settings
     app[REGISTRY] = registry
     app[METRICS] = Metrics(registry)

@@ -26,7 +26,7 @@ import uvloop
 
 from sidecar import app, server, workers
 from sidecar.config import Settings, load_config
-from sidecar.errors import ConfigError
+from sidecar.errors import ConfigError, ListenError
 from sidecar.logs import configure_logging
 
 log = logging.getLogger("sidecar")
@@ -86,7 +86,14 @@ async def _serve(settings: Settings, config: Path, worker_port: int | None = Non
     """One process: the proxy and admin listeners, or (``worker_port``) a supervised worker's
     proxy listener on that port with SO_REUSEPORT."""
     worker = worker_port is not None
-    servers = await server.start(settings, port=worker_port, reuse_port=worker, admin=not worker)
+    try:
+        servers = await server.start(settings, port=worker_port, reuse_port=worker,
+                                     admin=not worker)
+    except OSError as exc:  # bind/resolve errors name the address: "[Errno 98] ... ('h', p)"
+        admin = settings.admin
+        where = f"listen {settings.listen.host}:{settings.listen.port}, admin " + (
+            f"{admin.host}:{admin.port}" if admin else "off")
+        raise ListenError(f"cannot listen ({where}): {exc}") from exc
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
@@ -130,7 +137,11 @@ def main(argv: list[str] | None = None) -> int:
             return runner.run(workers.Supervisor(
                 settings, args.config, args.workers, worker_args,
                 lambda: read_new_config(args.config)).run())
-        runner.run(_serve(settings, args.config, args.worker_port))
+        try:
+            runner.run(_serve(settings, args.config, args.worker_port))
+        except ListenError as exc:
+            print(f"cancel-sidecar: {exc}", file=sys.stderr)
+            return 1
     return 0
 
 

@@ -25,13 +25,14 @@ import os
 import re
 from collections.abc import Mapping
 from pathlib import Path
-from typing import Annotated, Any
+from typing import Annotated, Any, Literal
 
 import yaml
 from pydantic import (
     AfterValidator,
     AnyHttpUrl,
     BaseModel,
+    BeforeValidator,
     ConfigDict,
     Field,
     SecretStr,
@@ -79,6 +80,9 @@ def _empty_is_none(value: SecretStr | None) -> SecretStr | None:
 
 
 Port = Annotated[int, Field(ge=0, le=65535)]
+# Case-insensitive in the file ("info" works); stored upper-case as logging expects.
+LogLevel = Annotated[Literal["DEBUG", "INFO", "WARNING", "ERROR"],
+                     BeforeValidator(lambda v: v.upper() if isinstance(v, str) else v)]
 Seconds = Annotated[float, AfterValidator(_positive)]
 OptionalSeconds = Annotated[float | None, AfterValidator(_positive_or_none)]
 RoutePrefix = Annotated[str, AfterValidator(_route_prefix)]
@@ -171,7 +175,7 @@ class Settings(_Model):
     engines: Annotated[dict[str, EngineSettings], Field(min_length=1)]
     routes: Annotated[list[RouteSettings], Field(min_length=1)]
     lifecycle: LifecycleSettings = LifecycleSettings()
-    log_level: str = "INFO"
+    log_level: LogLevel = "INFO"
     log_format: LogFormat = "json"
 
 
@@ -204,11 +208,49 @@ def _expand(node: Any, env: Mapping[str, str], loc: str, problems: list[ConfigPr
     return _VAR.sub(substitute, node)
 
 
-def _render_value(loc: tuple[int | str, ...], value: Any) -> str:
+_PUBLIC_ABORT_KEYS = frozenset({"path", "timeout_s"})
+
+
+def _is_secret(loc: tuple[int | str, ...]) -> bool:
+    """Anything under an ``abort`` mapping but its path and timeout is treated as a secret, so a
+    misspelled ``api_key`` (``apikey: sk-...``) is masked too."""
     if any(part in _SECRET_KEYS for part in loc):
-        return "'***'"
-    text = repr(value)
+        return True
+    return "abort" in loc[:-1] and loc[-1] not in _PUBLIC_ABORT_KEYS if loc else False
+
+
+def _masked(value: Any, loc: tuple[int | str, ...] = ()) -> Any:
+    if _is_secret(loc):
+        return "***"
+    if isinstance(value, dict):
+        return {k: _masked(v, (*loc, k)) for k, v in value.items()}
+    if isinstance(value, list):
+        return [_masked(v, (*loc, i)) for i, v in enumerate(value)]
+    return value
+
+
+def _secrets(tree: Any, loc: tuple[int | str, ...] = ()) -> set[str]:
+    """Every secret string in a config tree (see :func:`_is_secret`)."""
+    if isinstance(tree, dict):
+        return set().union(*(_secrets(v, (*loc, k)) for k, v in tree.items()))
+    if isinstance(tree, list):
+        return set().union(*(_secrets(v, (*loc, i)) for i, v in enumerate(tree)))
+    return {tree} if isinstance(tree, str) and len(tree) >= 3 and _is_secret(loc) else set()
+
+
+def _render_value(loc: tuple[int | str, ...], value: Any) -> str:
+    text = repr(_masked(value, loc))
     return text if len(text) <= 80 else text[:77] + "..."
+
+
+def _scrub(problems: list[ConfigProblem], secrets: set[str]) -> list[ConfigProblem]:
+    """Last line of defence: no secret value survives in any message."""
+    def clean(text: str | None) -> str | None:
+        for secret in secrets:
+            text = text.replace(secret, "***") if text else text
+        return text
+
+    return [ConfigProblem(p.location, clean(p.message) or "", clean(p.value)) for p in problems]
 
 
 def _cross_reference(raw: dict[str, Any]) -> list[ConfigProblem]:
@@ -233,13 +275,6 @@ def _cross_reference(raw: dict[str, Any]) -> list[ConfigProblem]:
                     f"routes.{i}.prefix", f"duplicates routes.{seen[prefix]}.prefix",
                     repr(prefix)))
             seen.setdefault(prefix, i)
-    listen, admin = raw.get("listen"), raw.get("admin")
-    if isinstance(listen, dict) and isinstance(admin, dict):
-        here = (listen.get("host", "127.0.0.1"), listen.get("port"))
-        if admin.get("port") and (admin.get("host", "127.0.0.1"), admin.get("port")) == here:
-            problems.append(ConfigProblem(
-                "admin.port", "must differ from listen.port on the same host",
-                repr(admin.get("port"))))
     return problems
 
 
@@ -253,14 +288,18 @@ def parse_config(text: str, source: str = "<string>",
     try:
         raw = yaml.safe_load(text)
     except yaml.YAMLError as exc:
+        # Only the position and the problem: PyYAML's full message quotes the offending line,
+        # which may hold a key.
         mark = getattr(exc, "problem_mark", None)
         where = f"line {mark.line + 1}, column {mark.column + 1}" if mark else ""
-        raise ConfigError(source, [ConfigProblem(where, f"not valid YAML: {exc}")]) from exc
+        problem = getattr(exc, "problem", None) or type(exc).__name__
+        raise ConfigError(source, [ConfigProblem(where, f"not valid YAML: {problem}")]) from exc
     if not isinstance(raw, dict):
         raise ConfigError(source, [ConfigProblem("", "must be a YAML mapping at the top level",
                                                  type(raw).__name__)])
     problems: list[ConfigProblem] = []
     expanded = _expand(raw, os.environ if env is None else env, "", problems)
+    secrets = _secrets(raw) | _secrets(expanded)
     try:
         settings = Settings.model_validate(expanded)
     except ValidationError as exc:
@@ -269,10 +308,15 @@ def parse_config(text: str, source: str = "<string>",
             value = None if err["type"] == "missing" else _render_value(err["loc"], err["input"])
             problems.append(ConfigProblem(loc, err["msg"].removeprefix("Value error, "), value))
         problems.extend(_cross_reference(expanded))
-        raise ConfigError(source, problems) from exc
+        raise ConfigError(source, _scrub(problems, secrets)) from exc
     problems.extend(_cross_reference(expanded))
+    if settings.admin is not None and settings.admin.port and (
+        settings.admin.host, settings.admin.port) == (settings.listen.host, settings.listen.port):
+        problems.append(ConfigProblem("admin.port", "must differ from listen.port on the same "
+                                      "host (the default admin port is 9090)",
+                                      str(settings.admin.port)))
     if problems:
-        raise ConfigError(source, problems)
+        raise ConfigError(source, _scrub(problems, secrets))
     return settings
 
 

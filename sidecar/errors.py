@@ -5,6 +5,7 @@ each, with ``raise ... from exc``::
 
     SidecarError
     ├── ConfigError                  bad YAML, schema or cross-reference; carries every problem
+    ├── ListenError                  a configured address cannot be listened on (exit 1)
     └── UpstreamError                the engine could not give a response (mapped to 502/504)
         ├── UpstreamConnectError     connection refused / unreachable            -> 502
         ├── UpstreamProtocolError    malformed or truncated response headers     -> 502
@@ -47,6 +48,10 @@ class ConfigError(SidecarError):
         self.problems = problems
         lines = "\n".join(f"  - {p}" for p in problems)
         super().__init__(f"invalid config {source}: {len(problems)} problem(s)\n{lines}")
+
+
+class ListenError(SidecarError):
+    """A listener could not be opened (address in use, unknown host, no permission)."""
 
 
 class UpstreamError(SidecarError):

@@ -5,8 +5,8 @@ through one formatter: ``json`` (the default, one JSON object per line) or ``tex
 line). aiohttp's own access log stays off; :class:`RequestLog` replaces it.
 
 The access line is written once per request, when the request is completely done: its handler
-has returned or been cancelled *and* every abort call it started has an outcome (abort calls run
-in their own tasks and outlive the handler). JSON fields, in order::
+has returned or been cancelled *and* its abort has an outcome (abort calls are batched across
+requests, run in their own tasks and outlive the handler). JSON fields, in order::
 
     ts                   ISO 8601 UTC, milliseconds ("2025-01-31T12:00:00.123Z")
     level, logger        "INFO", "sidecar.access"
@@ -21,8 +21,9 @@ in their own tasks and outlive the handler). JSON fields, in order::
     client_disconnected  true if the client left before its response was complete
     phase                where the sidecar stopped the exchange (request_body,
                          before_first_byte, awaiting_response, streaming), or null
-    abort                null, or the abort outcome: ok, http_<status>, timeout, error
-                         (cancelled: the sidecar shut down before the call ended)
+    abort                null, or the outcome of the call(s) that carried the request's ids:
+                         ok, http_<status>, timeout, error (cancelled: the sidecar shut down
+                         before the call ended; dropped: the engine's abort queue was full)
     abort_latency_s      seconds from noticing the disconnect to that outcome, or null
 
 Nothing secret is ever logged: no header values, no query strings, no abort key.
@@ -131,7 +132,8 @@ class RequestLog:
 
     def abort_done(self, outcome: str, latency_s: float) -> None:
         """An abort call ended with ``outcome`` (``ok``, ``http_<status>``, ``timeout``,
-        ``error``, ``cancelled``), ``latency_s`` seconds after the disconnect was noticed."""
+        ``error``, ``cancelled``, ``dropped``), ``latency_s`` seconds after the disconnect was
+        noticed."""
         if self._abort is None or self._abort == _OK:
             self._abort = outcome
         self._abort_latency = max(latency_s, self._abort_latency or 0.0)

@@ -35,13 +35,19 @@ class Metrics:
             ["route", "phase"], registry=registry)
         self.abort_calls = Counter(
             "cancel_sidecar_abort_calls_total",
-            "Calls to an engine abort endpoint, by engine and outcome "
-            "(ok, http_<status>, timeout, error).",
+            "HTTP calls to an engine abort endpoint (one call carries the ids of many requests), "
+            "by engine and outcome (ok, http_<status>, timeout, error).",
+            ["engine", "outcome"], registry=registry)
+        self.aborted_requests = Counter(
+            "cancel_sidecar_aborted_requests_total",
+            "Requests whose engine ids the sidecar set out to abort, by engine and the outcome "
+            "of the call that carried them (ok, http_<status>, timeout, error; dropped: the "
+            "engine's abort queue was full, never sent; cancelled: the sidecar stopped first).",
             ["engine", "outcome"], registry=registry)
         self.abort_latency = Histogram(
             "cancel_sidecar_abort_latency_seconds",
-            "Time from the sidecar noticing a client disconnect to the engine acknowledging "
-            "the abort call.",
+            "Per aborted request: time from the sidecar noticing its client's disconnect to the "
+            "engine acknowledging the abort call that carried its ids.",
             ["engine"], buckets=_FAST_BUCKETS, registry=registry)
         self.upstream_errors = Counter(
             "cancel_sidecar_upstream_errors_total",

@@ -33,7 +33,7 @@ from sidecar.logs import RequestLog
 from sidecar.metrics import Metrics
 from sidecar.route import RouteTarget
 from sidecar.runtime import Runtime
-from sidecar.upstream import RequestBody, open_upstream, upstream_url
+from sidecar.upstream import RequestBody, open_upstream, origin_form, upstream_url
 
 log = logging.getLogger(__name__)
 
@@ -57,7 +57,8 @@ class Exchange:
     """One request's state across the downstream/upstream race."""
 
     def __init__(self, request: web.Request, runtime: Runtime, target: RouteTarget,
-                 aborter: Aborter, metrics: Metrics) -> None:
+                 aborter: Aborter, metrics: Metrics, target_path: str) -> None:
+        self.target_path = target_path  # origin-form path and query for the upstream
         self.runtime = runtime
         self.request = request
         self.target = target
@@ -95,7 +96,7 @@ class Exchange:
         try:
             upstream = await open_upstream(
                 self.runtime.sessions, settings, request.method,
-                upstream_url(engine.base_url, request.raw_path), headers, self.body, self.id)
+                upstream_url(engine.base_url, self.target_path), headers, self.body, self.id)
         except UpstreamError as exc:
             return self._fail(exc)
         self.upstream = upstream
@@ -204,7 +205,8 @@ class Exchange:
     def _fail(self, exc: UpstreamError) -> web.Response:
         kind = type(exc).__name__.removeprefix("Upstream")
         self.metrics.upstream_errors.labels(self.target.engine.name, kind).inc()
-        log.warning("request %s: %s", self.id, exc)
+        # The detail (which may quote upstream bytes) goes to the log, not to the client.
+        log.warning("request %s: %s (%s)", self.id, exc, exc.__cause__)
         if isinstance(exc, UpstreamFirstByteTimeout):
             # The engine may still be queuing or generating for nobody: abort it.
             self._stop("first-byte timeout", disconnect=False)
@@ -241,15 +243,25 @@ class Exchange:
 async def handle(request: web.Request, runtime: Runtime) -> web.StreamResponse:
     """Proxy one request with the config generation ``runtime`` it started on."""
     target = runtime.router.match(request.path)
+    target_path = origin_form(request.raw_path, request.rel_url.raw_path_qs)
+    refusal = None
     if target is None:
-        unrouted = error_response(404, f"no route for path {json.dumps(request.path)}",
-                                  "route_not_found")
+        refusal = error_response(404, f"no route for path {json.dumps(request.path)}",
+                                 "route_not_found")
+    elif target_path is None:
+        refusal = error_response(400, "the request target must be a path", "invalid_request")
+    elif request.path.rstrip("/") in target.engine.forbidden_paths():
+        # Only the sidecar aborts: a client must not abort other clients' requests.
+        refusal = error_response(403, "the engine's abort endpoint is not exposed to clients",
+                                 "forbidden")
+    if target is None or target_path is None or refusal is not None:
+        assert refusal is not None
         RequestLog(uuid.uuid4().hex, request.method, request.path, None, None,
                    request.headers.get(REQUEST_ID)
-                   ).handler_done(404, unrouted.content_length or 0, False, None)
-        return unrouted
+                   ).handler_done(refusal.status, refusal.content_length or 0, False, None)
+        return refusal
     metrics = request.app[METRICS]
-    exchange = Exchange(request, runtime, target, request.app[ABORTER], metrics)
+    exchange = Exchange(request, runtime, target, request.app[ABORTER], metrics, target_path)
     in_flight = metrics.in_flight.labels(target.prefix)
     in_flight.inc()
     status_class = "disconnected"

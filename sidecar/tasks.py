@@ -39,11 +39,15 @@ class TaskSet:
         return len(self._tasks)
 
     async def drain(self, timeout_s: float) -> None:
-        """Wait up to ``timeout_s`` seconds for running tasks, then cancel what is left."""
-        if not self._tasks:
-            return
-        _, pending = await asyncio.wait(set(self._tasks), timeout=timeout_s)
-        for task in pending:
-            task.cancel("sidecar shutting down")
-        if pending:
+        """Wait up to ``timeout_s`` seconds for running tasks, and for those they start
+        meanwhile (the abort queue starts its next call when one ends), then cancel what is
+        left until nothing is."""
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + timeout_s
+        while self._tasks and (left := deadline - loop.time()) > 0:
+            await asyncio.wait(set(self._tasks), timeout=left)
+        while self._tasks:
+            pending = set(self._tasks)
+            for task in pending:
+                task.cancel("sidecar shutting down")
             await asyncio.wait(pending)

@@ -30,6 +30,8 @@ from sidecar.errors import (
 
 log = logging.getLogger(__name__)
 
+MAX_HEADER_BYTES = 65536
+
 # aiohttp adds these to every request unless told not to; a transparent hop must not.
 _SKIP_AUTO_HEADERS = ("Accept", "Accept-Encoding", "User-Agent", "Content-Type")
 
@@ -51,6 +53,9 @@ def make_session(settings: UpstreamSettings, *, fresh: bool = False) -> aiohttp.
         cookie_jar=aiohttp.DummyCookieJar(),
         skip_auto_headers=_SKIP_AUTO_HEADERS,
         trust_env=False,
+        # The same header limits as the downstream side (aiohttp's default is 8190 bytes).
+        max_line_size=MAX_HEADER_BYTES,
+        max_field_size=MAX_HEADER_BYTES,
     )
 
 
@@ -158,16 +163,29 @@ async def open_upstream(
                 f"{url.origin()} closed the connection before responding: {exc}") from exc
         except aiohttp.ClientResponseError as exc:
             raise UpstreamProtocolError(
-                f"{url.origin()} sent a malformed response: {exc.message}") from exc
+                f"{url.origin()} sent a malformed response") from exc
         except TimeoutError as exc:
             raise UpstreamFirstByteTimeout(
                 f"no response from {url.origin()} within {settings.first_byte_timeout_s}s"
             ) from exc
 
 
-def upstream_url(base_url: str, raw_path: str) -> URL:
-    """``base_url`` + the downstream request's raw path and query, bytes unchanged."""
-    return URL(base_url + raw_path, encoded=True)
+def origin_form(raw_target: str, rel_path_qs: str) -> str | None:
+    """The request target to send upstream: the path and query, bytes unchanged.
+
+    ``raw_target`` is the request line's target, ``rel_path_qs`` aiohttp's parsed relative form
+    of it. An absolute-form target (``GET http://host/path``, RFC 9112 section 3.2.2) keeps only
+    its path and query: the sidecar never lets a request choose the upstream host. ``None`` for a
+    target with no path (asterisk-form ``*``, authority-form): the caller answers 400.
+    """
+    if raw_target.startswith("/"):
+        return raw_target
+    return rel_path_qs if rel_path_qs.startswith("/") and raw_target != "*" else None
+
+
+def upstream_url(base_url: str, target: str) -> URL:
+    """``base_url`` (an origin) + an origin-form ``target`` from :func:`origin_form`."""
+    return URL(base_url + target, encoded=True)
 
 
 def content_length(headers: Mapping[str, str]) -> int | None:

@@ -1,0 +1,90 @@
+"""Requests that try to steer the sidecar: absolute-form targets, odd request targets, and the
+engine's abort endpoints called through the proxy. Production wiring, fake engine on 127.0.0.1."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from typing import Any
+
+import pytest
+
+from sidecar.server import Servers
+from tests.conftest import sidecar_settings
+from tests.fake_engine import FakeEngine
+from tests.upstreams import RawUpstream
+
+
+async def _raw(port: int, request: bytes) -> tuple[int, bytes]:
+    reader, writer = await asyncio.open_connection("127.0.0.1", port)
+    try:
+        writer.write(request)
+        await writer.drain()
+        async with asyncio.timeout(5):
+            head = await reader.readuntil(b"\r\n\r\n")
+            length = next((int(line.split(b":", 1)[1]) for line in head.split(b"\r\n")
+                           if line.lower().startswith(b"content-length:")), 0)
+            body = await reader.readexactly(length)
+    finally:
+        writer.close()
+        await writer.wait_closed()
+    return int(head.split(b" ", 2)[1]), body
+
+
+@pytest.mark.parametrize("target", [
+    "http://evil.example:1/echo/abs?x=1",   # absolute-form naming another host and port
+    "host://ignored/echo/abs?x=1",          # an odd scheme whose "host" could be glued on
+    "http://127.0.0.1:1/echo/abs?x=1",      # a loopback port of the attacker's choosing
+])
+async def test_absolute_form_target_never_changes_the_upstream(
+        target: str, engine: FakeEngine, sidecar: Servers) -> None:
+    status, body = await _raw(sidecar.proxy_port,
+                              f"GET {target} HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n"
+                              .encode())
+    assert status == 200, f"expected the engine's 200 for {target}, got {status}: {body[:200]!r}"
+    seen = json.loads(body)
+    assert seen["path_qs"] == "/echo/abs?x=1", (
+        f"expected only the path and query to reach the configured engine, got {seen['path_qs']}")
+
+
+async def test_asterisk_form_gets_a_json_400(engine: FakeEngine, sidecar: Servers) -> None:
+    status, body = await _raw(sidecar.proxy_port,
+                              b"OPTIONS * HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n")
+    assert status in (400, 404), f"expected a 4xx for OPTIONS *, got {status}"
+    assert "error" in json.loads(body), f"expected a JSON error body, got {body!r}"
+    assert engine.record.requests == [], "expected nothing forwarded to the engine"
+
+
+@pytest.mark.parametrize("path", [
+    "/inference/v1/abort_requests",      # vLLM's abort endpoint (the configured abort path)
+    "/inference/v1/abort_requests/",
+    "/inference/v1/abort%5Frequests",    # percent-encoded: the engine would decode it
+    "/abort_requests",                   # vLLM dev mode: an empty list there aborts everything
+])
+async def test_clients_cannot_call_the_engine_abort_endpoint(
+        path: str, engine: FakeEngine, sidecar: Servers) -> None:
+    payload = b'{"request_ids": []}'
+    status, body = await _raw(
+        sidecar.proxy_port,
+        f"POST {path} HTTP/1.1\r\nHost: x\r\nConnection: close\r\nContent-Type: application/json"
+        f"\r\nContent-Length: {len(payload)}\r\n\r\n".encode() + payload)
+    assert status == 403, f"expected 403 for POST {path}, got {status}: {body!r}"
+    assert json.loads(body)["error"]["type"] == "forbidden", body
+    assert engine.record.aborts == [], (
+        f"expected no abort call to reach the engine, got {engine.record.aborts}")
+
+
+async def test_large_response_header_passes_through(start_sidecar: Any) -> None:
+    """An engine header of 20 KB (e.g. a long trace header) passes like a large request header
+    does; aiohttp's client default (8190 bytes) would have made it a 502."""
+    big = "t" * 20000
+    upstream = RawUpstream(lambda _request: (
+        f"HTTP/1.1 200 OK\r\nX-Trace: {big}\r\nContent-Length: 2\r\n\r\nok").encode())
+    await upstream.start()
+    try:
+        servers: Servers = await start_sidecar(sidecar_settings(upstream.url))
+        status, body = await _raw(servers.proxy_port,
+                                  b"GET /x HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n")
+    finally:
+        await upstream.stop()
+    assert (status, body) == (200, b"ok"), f"expected the engine's 200 'ok', got {status} {body!r}"
