@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import uuid
 from collections.abc import AsyncIterator
 
 import aiohttp
@@ -18,6 +19,7 @@ from aiohttp import web
 from aiohttp.typedefs import Handler
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
 
+from engine import EngineAdapter
 from sidecar.abort import MAX_CONCURRENT_CALLS, Aborter
 from sidecar.config import Settings
 from sidecar.keys import ABORTER, METRICS, REGISTRY, RUNTIME, SETTINGS, TASKS
@@ -103,20 +105,50 @@ async def _healthz(request: web.Request) -> web.Response:
     return web.json_response({"status": "ok"})
 
 
+READY_TIMEOUT_S = 2.0
+_ABORT_HINTS = {
+    401: "the engine rejected abort.api_key",
+    403: "the abort endpoint is disabled: start vLLM with --enable-scale-out",
+    404: "no abort endpoint at abort.path",
+}
+
+
+async def _engine_ready(session: aiohttp.ClientSession, adapter: EngineAdapter) -> str:
+    """``ok``, or what is wrong: the engine's ``GET /health`` must answer 2xx, and its abort
+    endpoint must accept a call naming one id that no request can have (a real call: unknown
+    ids are ignored by vLLM; never an empty list)."""
+    probe = (f"cancel-sidecar-readiness-probe-{uuid.uuid4().hex}",)
+    try:
+        async with asyncio.timeout(READY_TIMEOUT_S):
+            async with session.get(adapter.base_url + "/health") as resp:
+                await resp.read()
+                if resp.status >= 300:
+                    return f"health: HTTP {resp.status}"
+            for call in adapter.abort_calls(probe):
+                async with session.post(adapter.base_url + call.path, json=call.json,
+                                        headers=adapter.abort_headers()) as resp:
+                    await resp.read()
+                    if resp.status >= 300:
+                        hint = _ABORT_HINTS.get(resp.status, "")
+                        return f"abort endpoint {call.path}: HTTP {resp.status}" + (
+                            f" ({hint})" if hint else "")
+    except (TimeoutError, aiohttp.ClientError) as exc:
+        return f"unreachable: {type(exc).__name__}"
+    return "ok"
+
+
 async def _readyz(request: web.Request) -> web.Response:
-    """Ready when every engine answers its health path (``GET /health``) with 2xx within 2 s."""
+    """Ready (200) when every engine is healthy and its abort endpoint usable, checked
+    concurrently within ``READY_TIMEOUT_S`` each; else 503 with what is wrong per engine."""
     runtime = request.app[RUNTIME].current
     session = runtime.sessions[0]
-    results: dict[str, str] = {}
-    for name, adapter in runtime.adapters.items():
-        try:
-            async with asyncio.timeout(2.0):
-                async with session.get(adapter.base_url + "/health") as resp:
-                    await resp.read()
-                    results[name] = "ok" if resp.status < 300 else f"HTTP {resp.status}"
-        except (TimeoutError, aiohttp.ClientError) as exc:
-            results[name] = f"unreachable: {type(exc).__name__}"
+    names = list(runtime.adapters)
+    verdicts = await asyncio.gather(*(_engine_ready(session, runtime.adapters[n]) for n in names))
+    results = dict(zip(names, verdicts, strict=True))
     ready = all(v == "ok" for v in results.values())
+    if not ready:
+        log.warning("not ready: %s", "; ".join(f"engine {n}: {v}" for n, v in results.items()
+                                                 if v != "ok"))
     return web.json_response({"ready": ready, "engines": results}, status=200 if ready else 503)
 
 
