@@ -111,6 +111,20 @@ def test_abort_call_shape_and_bearer() -> None:
 def test_abort_call_refuses_an_empty_id_list() -> None:
     with pytest.raises(ValueError, match="empty"):
         ADAPTER.abort_calls(())
+    with pytest.raises(ValueError, match="empty"):
+        ADAPTER.abort_call(())
+
+
+def test_abort_calls_chunk_a_long_id_list() -> None:
+    ids = tuple(f"chatcmpl-{i}" for i in range(2 * ADAPTER.max_ids_per_call + 3))
+    calls = ADAPTER.abort_calls(ids)
+    sizes = [len(c.json["request_ids"]) for c in calls]
+    limit = ADAPTER.max_ids_per_call
+    assert sizes == [limit, limit, 3], f"expected chunks of {limit}, {limit}, 3; got {sizes}"
+    named = [i for c in calls for i in c.json["request_ids"]]
+    assert named == list(ids), "expected every id named once, in order"
+    with pytest.raises(ValueError, match="at most"):
+        ADAPTER.abort_call(ids[:limit + 1])
 
 
 def test_api_key_not_in_repr() -> None:
