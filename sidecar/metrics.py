@@ -51,7 +51,8 @@ class Metrics:
             ["engine"], buckets=_FAST_BUCKETS, registry=registry)
         self.upstream_errors = Counter(
             "cancel_sidecar_upstream_errors_total",
-            "Upstream failures, by engine and kind (connect, timeout, protocol, mid_stream).",
+            "Upstream failures, by engine and kind (ConnectError, ConnectTimeout, "
+            "FirstByteTimeout, ProtocolError, MidStream).",
             ["engine", "kind"], registry=registry)
         self.upstream_ttfb = Histogram(
             "cancel_sidecar_upstream_time_to_first_byte_seconds",

@@ -153,13 +153,14 @@ class Exchange:
             headers["Content-Length"] = str(len(new))
         return RequestBody.of(body if new is None else new)
 
-    def cancel(self, reason: str) -> None:
-        """The client is gone (or the sidecar is stopping): close upstream, abort the engine."""
+    def cancel(self, reason: str, *, disconnect: bool = True) -> None:
+        """The client is gone (``disconnect``) or the sidecar is stopping: close upstream, abort
+        the engine. Only a disconnect counts in ``client_disconnects_total``."""
         if self.saw_done_event and self.upstream is not None:
             self.upstream.close()
             self.upstream_finished = True
         if not self.upstream_finished:
-            self._stop(reason, disconnect=True)
+            self._stop(reason, disconnect=disconnect)
 
     def close(self) -> None:
         """Last step of every request: a response not read to its end is never pooled again."""
@@ -264,7 +265,7 @@ async def handle(request: web.Request, runtime: Runtime) -> web.StreamResponse:
     exchange = Exchange(request, runtime, target, request.app[ABORTER], metrics, target_path)
     in_flight = metrics.in_flight.labels(target.prefix)
     in_flight.inc()
-    status_class = "disconnected"
+    status_class = "disconnected"  # or "cancelled": the sidecar stopped it (shutdown)
     gone = False
     try:
         response = await exchange.run()
@@ -275,7 +276,9 @@ async def handle(request: web.Request, runtime: Runtime) -> web.StreamResponse:
         return response
     except asyncio.CancelledError:
         gone = request.transport is None or request.transport.is_closing()
-        exchange.cancel("client disconnected" if gone else "handler cancelled")
+        if not gone:
+            status_class = "cancelled"
+        exchange.cancel("client disconnected" if gone else "handler cancelled", disconnect=gone)
         raise
     except ConnectionResetError:
         # A write found the client gone before the cancellation arrived.
