@@ -38,7 +38,11 @@ async def _engines_ctx(app: web.Application) -> AsyncIterator[None]:
     app[TASKS] = tasks = TaskSet()
     app[RUNTIME] = runtimes = Runtimes(Runtime.open(app[SETTINGS]), tasks)
     abort_session = aiohttp.ClientSession(
-        connector=aiohttp.TCPConnector(limit=MAX_CONCURRENT_CALLS),
+        # Idle abort connections expire like the proxy's (below the engine's own idle
+        # timeout, uvicorn: 5 s), so an abort never meets a connection the engine dropped.
+        connector=aiohttp.TCPConnector(
+            limit=MAX_CONCURRENT_CALLS,
+            keepalive_timeout=app[SETTINGS].upstream.keepalive_timeout_s),
         cookie_jar=aiohttp.DummyCookieJar(), trust_env=False)
     app[ABORTER] = Aborter(abort_session, tasks, app[METRICS])
     try:

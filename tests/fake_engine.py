@@ -161,6 +161,7 @@ class FakeEngine:
                          time.monotonic())
         self.record.generations.append(gen)
         self.record.started_event.set()
+        self.watch.changed()  # a test can await a generation starting
         try:
             return await self._generate(request, body, gen)
         except (asyncio.CancelledError, ConnectionResetError):
