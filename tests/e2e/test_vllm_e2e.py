@@ -58,7 +58,11 @@ from tests.e2e.vllm_server import (
     start_vllm_server,
 )
 
-pytestmark = [pytest.mark.e2e, pytest.mark.timeout(300)]
+# A failed e2e test is run again, at most twice, and the failure stays in the report ("R"):
+# on this 2-core machine vLLM's API process or the test process stalls for ~2 s now and then
+# (about one module run in six here), which no guard short of hiding the figures can absorb.
+# The sidecar's own timing is tested without a real engine in tests/test_cancel.py.
+pytestmark = [pytest.mark.e2e, pytest.mark.timeout(300), pytest.mark.flaky(reruns=2)]
 
 HERE = Path(__file__).resolve().parent
 CACHE = HERE / ".cache"
