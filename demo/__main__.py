@@ -83,8 +83,10 @@ async def leave_mid_stream(base_url: str, model: Path, engine: VLLMServer, label
         client = await RawClient.post(base_url, "/v1/chat/completions", body, headers)
         try:
             await client.read_head()
-            events = await client.read_events(6)  # the role event, then 5 tokens
             await sampler.wait_for(lambda s: s.running >= 1, 30, "a running request")
+            # Read, then leave at once: tokens the client did not read count as wasted, so
+            # the client must not pause between reading and leaving.
+            events = await client.read_events(6)  # the role event, then 5 tokens
         finally:
             t0 = await client.disconnect("abort")
         say(f"{label}: read 5 tokens, disconnected; watching vLLM /metrics for {WATCH_S:.0f} s")
