@@ -50,6 +50,13 @@ MAX_QUEUED_IDS = 16384  # per engine, waiting for a slot: at most ~8 MB held whi
 _LOGGED_IDS = 8  # sidecar request ids named in a call's log line; the access lines have the rest
 _OK = "ok"
 
+# What an abort endpoint's refusal usually means; for the logs and /readyz.
+ABORT_STATUS_HINTS = {
+    401: "the engine rejected abort.api_key",
+    403: "the abort endpoint is disabled: start vLLM with --enable-scale-out",
+    404: "no abort endpoint at abort.path",
+}
+
 
 @dataclass(slots=True, eq=False)
 class _Request:
@@ -245,11 +252,8 @@ class Aborter:
             log.info("engine %s aborted %d id(s) of %d request(s) [%s] in %.1f ms (one call)",
                      engine.name, count, len(requests), named, took * 1000)
             return
-        hint = ""
-        if outcome == "http_403":
-            hint = " (vLLM answers 403 when started without --enable-scale-out)"
-        elif outcome == "http_401":
-            hint = " (check engines.*.abort.api_key)"
+        known = ABORT_STATUS_HINTS.get(int(outcome[5:])) if outcome.startswith("http_") else None
+        hint = f" ({known})" if known else ""
         log.warning("abort call to engine %s: %d id(s) of %d request(s) [%s] failed: %s%s "
                     "(%s after %.1f ms)", engine.name, count, len(requests), named, detail, hint,
                     outcome, took * 1000)

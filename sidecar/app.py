@@ -20,7 +20,7 @@ from aiohttp.typedefs import Handler
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
 
 from engine import EngineAdapter
-from sidecar.abort import MAX_CONCURRENT_CALLS, Aborter
+from sidecar.abort import ABORT_STATUS_HINTS, MAX_CONCURRENT_CALLS, Aborter
 from sidecar.config import Settings
 from sidecar.keys import ABORTER, METRICS, REGISTRY, RUNTIME, SETTINGS, TASKS
 from sidecar.metrics import Metrics
@@ -110,11 +110,6 @@ async def _healthz(request: web.Request) -> web.Response:
 
 
 READY_TIMEOUT_S = 2.0
-_ABORT_HINTS = {
-    401: "the engine rejected abort.api_key",
-    403: "the abort endpoint is disabled: start vLLM with --enable-scale-out",
-    404: "no abort endpoint at abort.path",
-}
 
 
 async def _engine_ready(session: aiohttp.ClientSession, adapter: EngineAdapter) -> str:
@@ -133,7 +128,7 @@ async def _engine_ready(session: aiohttp.ClientSession, adapter: EngineAdapter) 
                                         headers=adapter.abort_headers()) as resp:
                     await resp.read()
                     if resp.status >= 300:
-                        hint = _ABORT_HINTS.get(resp.status, "")
+                        hint = ABORT_STATUS_HINTS.get(resp.status, "")
                         return f"abort endpoint {call.path}: HTTP {resp.status}" + (
                             f" ({hint})" if hint else "")
     except (TimeoutError, aiohttp.ClientError) as exc:

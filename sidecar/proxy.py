@@ -156,9 +156,8 @@ class Exchange:
     def cancel(self, reason: str, *, disconnect: bool = True) -> None:
         """The client is gone (``disconnect``) or the sidecar is stopping: close upstream, abort
         the engine. Only a disconnect counts in ``client_disconnects_total``."""
-        if self.saw_done_event and self.upstream is not None:
-            self.upstream.close()
-            self.upstream_finished = True
+        if self.saw_done_event:
+            self.close()  # the engine had finished: nothing to abort
         if not self.upstream_finished:
             self._stop(reason, disconnect=disconnect)
 
@@ -171,13 +170,13 @@ class Exchange:
     def _stop(self, reason: str, *, disconnect: bool) -> None:
         noticed_at = time.monotonic()
         engine, request = self.target.engine, self.request
-        phase = self.phase = self._phase()
+        body = self.body.copy() if self.body else None
+        phase = self.phase = self._phase(body)
         if disconnect:
             self.metrics.disconnects.labels(self.target.prefix, phase).inc()
         ids: tuple[str, ...] = ()
         if phase != "request_body":
-            ids = engine.engine_request_ids(request.method, request.path, self.id,
-                                            self.body.copy() if self.body else None)
+            ids = engine.engine_request_ids(request.method, request.path, self.id, body)
         if ids:
             self.aborter.abort(engine, ids, self.id, noticed_at, self.access)
         if self.upstream is not None:
@@ -186,17 +185,17 @@ class Exchange:
         log.info("request %s: %s during %s; upstream closed, %s", self.id, reason, phase,
                  f"aborting {len(ids)} engine id(s)" if ids else "nothing to abort")
 
-    def _phase(self) -> str:
+    def _phase(self, body: bytes | None) -> str:
         """Where the request was when it stopped: ``request_body`` (the engine never had all of
         it), ``before_first_byte`` (a stream was asked for; the engine queues or prefills),
         ``awaiting_response`` (a non-streaming response is being computed or sent) or
-        ``streaming``. Cold path: the body copy is parsed only here."""
+        ``streaming``. ``body`` is the kept body copy. Cold path: parsed only here."""
         if self.body is None or not self.body.complete:
             return "request_body"
         if self.upstream is not None:
             streamed = self.upstream.content_type == "text/event-stream"
             return "streaming" if streamed else "awaiting_response"
-        copy = self.body.copy() or b""
+        copy = body or b""
         try:
             asked = b'"stream"' in copy and json.loads(copy).get("stream") is True
         except (ValueError, AttributeError, RecursionError):
@@ -241,26 +240,28 @@ class Exchange:
         return response
 
 
+def _refuse(request: web.Request, status: int, message: str, error_type: str) -> web.Response:
+    """A request the proxy answers itself, with its own access line."""
+    response = error_response(status, message, error_type)
+    RequestLog(uuid.uuid4().hex, request.method, request.path, None, None,
+               request.headers.get(REQUEST_ID)
+               ).handler_done(status, response.content_length or 0, False, None)
+    return response
+
+
 async def handle(request: web.Request, runtime: Runtime) -> web.StreamResponse:
     """Proxy one request with the config generation ``runtime`` it started on."""
     target = runtime.router.match(request.path)
     target_path = origin_form(request.raw_path, request.rel_url.raw_path_qs)
-    refusal = None
     if target is None:
-        refusal = error_response(404, f"no route for path {json.dumps(request.path)}",
-                                 "route_not_found")
-    elif target_path is None:
-        refusal = error_response(400, "the request target must be a path", "invalid_request")
-    elif request.path.rstrip("/") in target.engine.forbidden_paths():
+        return _refuse(request, 404, f"no route for path {json.dumps(request.path)}",
+                       "route_not_found")
+    if target_path is None:
+        return _refuse(request, 400, "the request target must be a path", "invalid_request")
+    if request.path.rstrip("/") in target.engine.forbidden_paths():
         # Only the sidecar aborts: a client must not abort other clients' requests.
-        refusal = error_response(403, "the engine's abort endpoint is not exposed to clients",
-                                 "forbidden")
-    if target is None or target_path is None or refusal is not None:
-        assert refusal is not None
-        RequestLog(uuid.uuid4().hex, request.method, request.path, None, None,
-                   request.headers.get(REQUEST_ID)
-                   ).handler_done(refusal.status, refusal.content_length or 0, False, None)
-        return refusal
+        return _refuse(request, 403, "the engine's abort endpoint is not exposed to clients",
+                       "forbidden")
     metrics = request.app[METRICS]
     exchange = Exchange(request, runtime, target, request.app[ABORTER], metrics, target_path)
     in_flight = metrics.in_flight.labels(target.prefix)

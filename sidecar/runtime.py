@@ -6,7 +6,7 @@ it under ``keys.RUNTIME``), counts the requests running on each, and:
 
 - ``swap(settings)`` (SIGHUP): new requests get a new generation; requests already running keep
   the one they started on; a replaced generation's sessions are closed once no request that
-  started on it, or on an older one, is still running.
+  started on it is still running.
 - ``drain(grace_s)`` (SIGTERM): waits for running requests, then cancels what is left; each
   cancelled handler closes its upstream and aborts its engine ids (``proxy.Exchange.cancel``).
 
