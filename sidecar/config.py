@@ -9,8 +9,9 @@ Shape (see ``config/sidecar.yaml`` for the commented reference)::
 
     listen:   {host, port}                       client-facing proxy listener
     admin:    {host, port}                       /healthz, /readyz, /metrics
-    upstream: {connect_timeout_s, first_byte_timeout_s, keepalive_timeout_s, ...}
-    engines:  {NAME: {kind, url, abort: {path, api_key, timeout_s}}}
+    downstream: {idle_timeout_s, body_timeout_s, max_body_bytes, write_buffer_bytes}
+    upstream: {connect_timeout_s, first_byte_timeout_s, read_timeout_s, keepalive_timeout_s, ...}
+    engines:  {NAME: {kind, url, abort: {path, api_key, timeout_s, retries}}}
     routes:   [{prefix, engine}]
     lifecycle: {grace_period_s}                  how long a stop waits for in-flight requests
 
@@ -103,12 +104,15 @@ class AbortSettings(_Model):
     """How to call an engine's abort endpoint.
 
     ``path`` defaults per engine kind (vLLM: ``/inference/v1/abort_requests``); ``api_key`` is sent
-    as ``Authorization: Bearer <key>``; ``timeout_s`` bounds the whole abort call.
+    as ``Authorization: Bearer <key>``; ``timeout_s`` bounds one abort call (one attempt), seconds;
+    ``retries``: how many more attempts a call gets after a transient failure (see
+    :mod:`sidecar.abort` for which failures are retried).
     """
 
     path: Annotated[str | None, AfterValidator(_abort_path)] = None
     api_key: Annotated[SecretStr | None, AfterValidator(_empty_is_none)] = None
     timeout_s: Seconds = 2.0
+    retries: Annotated[int, Field(ge=0, le=10)] = 2
 
 
 class EngineSettings(_Model):
@@ -128,11 +132,32 @@ class EngineSettings(_Model):
         return self
 
 
+class DownstreamSettings(_Model):
+    """Limits on the downstream (client) side. Streams never have a total timeout.
+
+    ``idle_timeout_s``: a client connection with no request in progress (idle keep-alive, or a
+    request head not yet complete: a silent client) is closed after this many seconds.
+    ``body_timeout_s``: longest wait for the next chunk of a request body, seconds; then the
+    client gets 408 and the upstream request is closed (no abort: the engine never had all of
+    it); null for no limit. ``max_body_bytes``: larger request bodies get 413; 0 for no limit.
+    ``write_buffer_bytes``: how much of a response is buffered for a client that reads slowly
+    before the sidecar stops reading from the engine (backpressure); a slow reader is not a
+    disconnect.
+    """
+
+    idle_timeout_s: Seconds = 75.0
+    body_timeout_s: OptionalSeconds = 60.0
+    max_body_bytes: Annotated[int, Field(ge=0)] = 64 * 1024 * 1024
+    write_buffer_bytes: Annotated[int, Field(ge=4096)] = 256 * 1024
+
+
 class UpstreamSettings(_Model):
     """Limits on the upstream (engine) side. Streams never have a total timeout.
 
     ``connect_timeout_s``: TCP connect, seconds. ``first_byte_timeout_s``: from the request being
     sent until the response headers arrive (a non-streaming generation counts whole), seconds.
+    ``read_timeout_s``: once the response headers arrived, the longest wait for the next body
+    byte (a stream's first event after queueing and prefill counts), seconds.
     ``keepalive_timeout_s``: how long an idle pooled connection is kept; keep it below the
     engine's own idle timeout (uvicorn: 5 s) so the engine is not the one closing it.
     ``max_connections``: pool size, 0 for unlimited. ``replay_buffer_bytes``: a POST that fails on
@@ -142,6 +167,7 @@ class UpstreamSettings(_Model):
 
     connect_timeout_s: OptionalSeconds = 5.0
     first_byte_timeout_s: OptionalSeconds = 600.0
+    read_timeout_s: OptionalSeconds = 600.0
     keepalive_timeout_s: Seconds = 4.0
     max_connections: Annotated[int, Field(ge=0)] = 0
     replay_buffer_bytes: Annotated[int, Field(ge=0)] = 8 * 1024 * 1024
@@ -171,6 +197,7 @@ class Settings(_Model):
 
     listen: Listener = Listener(port=8080)
     admin: Listener | None = Listener(port=9090)
+    downstream: DownstreamSettings = DownstreamSettings()
     upstream: UpstreamSettings = UpstreamSettings()
     engines: Annotated[dict[str, EngineSettings], Field(min_length=1)]
     routes: Annotated[list[RouteSettings], Field(min_length=1)]
@@ -208,12 +235,12 @@ def _expand(node: Any, env: Mapping[str, str], loc: str, problems: list[ConfigPr
     return _VAR.sub(substitute, node)
 
 
-_PUBLIC_ABORT_KEYS = frozenset({"path", "timeout_s"})
+_PUBLIC_ABORT_KEYS = frozenset({"path", "timeout_s", "retries"})
 
 
 def _is_secret(loc: tuple[int | str, ...]) -> bool:
-    """Anything under an ``abort`` mapping but its path and timeout is treated as a secret, so a
-    misspelled ``api_key`` (``apikey: sk-...``) is masked too."""
+    """Anything under an ``abort`` mapping but its path, timeout and retries is treated as a
+    secret, so a misspelled ``api_key`` (``apikey: sk-...``) is masked too."""
     if any(part in _SECRET_KEYS for part in loc):
         return True
     return "abort" in loc[:-1] and loc[-1] not in _PUBLIC_ABORT_KEYS if loc else False
