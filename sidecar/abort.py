@@ -13,18 +13,46 @@ Bounds (module constants):
 
 - at most ``MAX_CALLS_PER_ENGINE`` calls in flight per engine and ``MAX_CONCURRENT_CALLS`` in
   all (the abort session's pool size, so a call never waits for a pooled connection). Ids that
-  arrive while every slot is busy wait and join the next batch;
+  arrive while every slot is busy wait and join the next batch. A call keeps its slot through
+  its retries and their backoff: while an engine fails, no more than that many calls press on
+  it, and new ids wait in the bounded queue instead;
 - at most ``MAX_QUEUED_IDS`` ids wait per engine. A request whose ids would exceed that is not
   sent: its outcome is ``dropped`` (counted and logged), never silently lost;
-- ``abort.timeout_s`` bounds each call from sending to the answer, not the wait for a slot.
+- ``abort.timeout_s`` bounds each attempt from sending to the answer, not the wait for a slot
+  nor the backoff. A call takes at most ``(1 + retries) * timeout_s`` plus the backoffs.
+
+Retries. Re-sending an abort is safe: in vLLM an id that is unknown, already finished or
+already aborted is a no-op. ``POST /inference/v1/abort_requests``
+(``vllm/entrypoints/scale_out/token_in_token_out/api_router.py``, ``abort_requests``) only reads
+``request_ids``, starts ``engine_client.abort(ids)`` in a background task and answers 200;
+``AsyncLLM.abort`` (``vllm/v1/engine/async_llm.py``) maps the ids in
+``OutputProcessor.abort_requests`` (``vllm/v1/engine/output_processor.py``:
+``external_req_ids.pop(id, [])``, so an id no live request has maps to nothing) and sends the
+engine core only that list (``vllm/v1/engine/core_client.py``, ``abort_requests_async``: nothing
+for an empty list), whose ``Scheduler.finish_requests`` (``vllm/v1/core/sched/scheduler.py``)
+skips ids that are unknown or finished. A re-send can never hit a later request either: every
+request gets a fresh sidecar id. An attempt is retried, up to ``abort.retries`` more times after
+a backoff of ``RETRY_BACKOFF_S`` doubling per retry (at most ``RETRY_BACKOFF_MAX_S``), only
+when the failure is transient (:func:`transient`):
+
+- no connection, or the connection lost before an answer (``aiohttp.ClientConnectionError``:
+  refused, reset, server disconnected; not TLS errors, which repeat);
+- ``RETRY_STATUSES`` (502, 503, 504): a proxy in front of the engine, or an engine that is
+  overloaded or starting (uvicorn answers 503 beyond ``--limit-concurrency``).
+
+Never retried: any other status. 401/403/404 do not change (:data:`ABORT_STATUS_HINTS`); 500
+neither, since vLLM's handler does nothing that can fail transiently before it answers; 429
+asks the caller to slow down, which a retry within ~100 ms defeats. Never after a timeout:
+the engine hangs, the call may have landed, and the attempt's budget is spent.
 
 Each call runs in its own named task, so it survives the cancelled handler that asked for it and
 never delays the upstream close or other traffic. Outcomes: ``ok``, ``http_<status>``,
 ``timeout``, ``error``; for a request also ``dropped``, and ``cancelled`` if the sidecar stopped
-first. ``cancel_sidecar_abort_calls_total`` counts calls; every request gets the outcome of the
-call(s) that carried its ids in ``cancel_sidecar_aborted_requests_total``, the latency histogram
-and its access line. One log line per call (ids, requests, outcome, latency); the bearer key is
-never logged.
+first. ``cancel_sidecar_abort_calls_total`` counts every attempt by its outcome; each request
+gets the final outcome of the call(s) that carried its ids, once, in
+``cancel_sidecar_aborted_requests_total``, the latency histogram and its access line. One log
+line per attempt that failed (ids, requests, outcome, hint, whether it is retried) and one per
+call that succeeded; the bearer key is never logged.
 """
 
 from __future__ import annotations
@@ -48,6 +76,9 @@ MAX_CALLS_PER_ENGINE = 8
 MAX_CONCURRENT_CALLS = 64  # over all engines; also the abort session's pool size (sidecar.app)
 MAX_QUEUED_IDS = 16384  # per engine, waiting for a slot: at most ~8 MB held while an engine hangs
 _LOGGED_IDS = 8  # sidecar request ids named in a call's log line; the access lines have the rest
+RETRY_BACKOFF_S = 0.05  # before the first retry, seconds; doubles for each further one
+RETRY_BACKOFF_MAX_S = 1.0
+RETRY_STATUSES = frozenset({502, 503, 504})
 _OK = "ok"
 
 # What an abort endpoint's refusal usually means; for the logs and /readyz.
@@ -55,7 +86,49 @@ ABORT_STATUS_HINTS = {
     401: "the engine rejected abort.api_key",
     403: "the abort endpoint is disabled: start vLLM with --enable-scale-out",
     404: "no abort endpoint at abort.path",
+    500: "the abort endpoint failed; see the engine's log",
+    502: "a proxy in front of the engine could not reach it",
+    503: "the engine, or a proxy in front of it, is overloaded or not ready",
+    504: "a proxy in front of the engine got no answer from it",
 }
+_TIMEOUT_HINT = "the engine accepted the call but did not answer within abort.timeout_s"
+
+
+def _error_hint(exc: aiohttp.ClientError) -> str:
+    if isinstance(exc, aiohttp.ClientConnectorError):
+        return "nothing accepts connections at the engine's url"
+    if isinstance(exc, aiohttp.ClientConnectionError):
+        return "the connection was lost before an answer"
+    return ""
+
+
+def transient(exc_or_status: BaseException | int) -> bool:
+    """True if an abort attempt that failed this way is worth repeating (see the module
+    docstring): a lost or refused connection (not TLS), or status 502/503/504. Timeouts are
+    not transient here: the engine hangs and the call may have landed."""
+    if isinstance(exc_or_status, int):
+        return exc_or_status in RETRY_STATUSES
+    if isinstance(exc_or_status, TimeoutError):
+        return False
+    return isinstance(exc_or_status, aiohttp.ClientConnectionError) and not isinstance(
+        exc_or_status, aiohttp.ClientSSLError | aiohttp.ServerFingerprintMismatch)
+
+
+def backoff(retry: int) -> float:
+    """Seconds to wait before retry number ``retry`` (1, 2, ...): ``RETRY_BACKOFF_S`` doubling,
+    at most ``RETRY_BACKOFF_MAX_S``."""
+    return float(min(RETRY_BACKOFF_S * 2 ** (retry - 1), RETRY_BACKOFF_MAX_S))
+
+
+@dataclass(frozen=True, slots=True)
+class _Answer:
+    """How one attempt of an abort call ended."""
+
+    outcome: str  # ok, http_<status>, timeout, error
+    detail: str  # for the log: "HTTP 503", "ClientConnectorError: ...", "no answer within ..."
+    hint: str  # what it usually means, or ""
+    took: float  # seconds from sending to the answer
+    transient: bool  # worth another attempt
 
 
 @dataclass(slots=True, eq=False)
@@ -171,10 +244,19 @@ class Aborter:
 
     async def _send(self, queue: _Queue, call: AbortCall, count: int,
                     requests: list[_Request]) -> None:
-        """One call carrying ``count`` ids of ``requests``; then the next batch, if any."""
+        """One call carrying ``count`` ids of ``requests``, retried while it fails transiently;
+        then the next batch, if any. The call keeps its slot until its last attempt."""
         engine = queue.engine
+        attempts = 1 + engine.settings.abort.retries
         try:
-            outcome, detail, took = await self._post(engine, call)
+            for attempt in range(1, attempts + 1):
+                answer = await self._post(engine, call)
+                self._metrics.abort_calls.labels(engine.name, answer.outcome).inc()
+                retry = answer.transient and attempt < attempts
+                self._log_attempt(engine, count, requests, answer, attempt, attempts, retry)
+                if not retry:
+                    break
+                await asyncio.sleep(backoff(attempt))
         except asyncio.CancelledError:
             # The sidecar is stopping (TaskSet.drain): these requests, and what waits behind
             # the last call in flight, end as cancelled.
@@ -184,9 +266,7 @@ class Aborter:
                 self._cancel_waiting(queue)
             raise
         self._release(queue)
-        self._metrics.abort_calls.labels(engine.name, outcome).inc()
-        self._log_call(engine, count, requests, outcome, detail, took)
-        self._settle(engine, requests, outcome)
+        self._settle(engine, requests, answer.outcome)
         self._flush(queue)
         for other in list(self._queues.values()):  # a slot under MAX_CONCURRENT_CALLS is free
             if other.waiting and self._in_flight < MAX_CONCURRENT_CALLS:
@@ -196,8 +276,9 @@ class Aborter:
         queue.in_flight -= 1
         self._in_flight -= 1
 
-    async def _post(self, engine: EngineAdapter, call: AbortCall) -> tuple[str, str, float]:
-        """Send ``call``; returns (outcome, detail, seconds from sending to the answer)."""
+    async def _post(self, engine: EngineAdapter, call: AbortCall) -> _Answer:
+        """One attempt at ``call``, bounded by ``abort.timeout_s``; never raises but
+        ``CancelledError``."""
         url = engine.base_url + call.path
         timeout_s = engine.settings.abort.timeout_s
         sent = time.monotonic()
@@ -207,14 +288,17 @@ class Aborter:
                                               headers=engine.abort_headers()) as resp:
                     await resp.read()
                     status = resp.status
-        except TimeoutError:
-            outcome, detail = "timeout", f"no answer within {timeout_s}s"
+        except TimeoutError as exc:  # before ClientError: aiohttp's ServerTimeoutError is both
+            return _Answer("timeout", f"no answer within {timeout_s}s", _TIMEOUT_HINT,
+                           time.monotonic() - sent, transient(exc))
         except aiohttp.ClientError as exc:
-            outcome, detail = "error", f"{type(exc).__name__}: {exc}"
-        else:
-            outcome = _OK if 200 <= status < 300 else f"http_{status}"
-            detail = f"HTTP {status}"
-        return outcome, detail, time.monotonic() - sent
+            return _Answer("error", f"{type(exc).__name__}: {exc}", _error_hint(exc),
+                           time.monotonic() - sent, transient(exc))
+        took = time.monotonic() - sent
+        if 200 <= status < 300:
+            return _Answer(_OK, f"HTTP {status}", "", took, False)
+        return _Answer(f"http_{status}", f"HTTP {status}", ABORT_STATUS_HINTS.get(status, ""),
+                       took, transient(status))
 
     def _settle(self, engine: EngineAdapter, requests: list[_Request], outcome: str) -> None:
         for request in requests:
@@ -243,17 +327,24 @@ class Aborter:
             request.request_log.abort_done(outcome, latency)
 
     @staticmethod
-    def _log_call(engine: EngineAdapter, count: int, requests: list[_Request], outcome: str,
-                  detail: str, took: float) -> None:
+    def _log_attempt(engine: EngineAdapter, count: int, requests: list[_Request],
+                     answer: _Answer, attempt: int, attempts: int, retry: bool) -> None:
         named = " ".join(r.sidecar_id for r in requests[:_LOGGED_IDS])
         if len(requests) > _LOGGED_IDS:
             named += f" (+{len(requests) - _LOGGED_IDS} more)"
-        if outcome == _OK:
-            log.info("engine %s aborted %d id(s) of %d request(s) [%s] in %.1f ms (one call)",
-                     engine.name, count, len(requests), named, took * 1000)
+        if answer.outcome == _OK:
+            log.info("engine %s aborted %d id(s) of %d request(s) [%s] in %.1f ms (attempt %d "
+                     "of %d)", engine.name, count, len(requests), named, answer.took * 1000,
+                     attempt, attempts)
             return
-        known = ABORT_STATUS_HINTS.get(int(outcome[5:])) if outcome.startswith("http_") else None
-        hint = f" ({known})" if known else ""
+        hint = f" ({answer.hint})" if answer.hint else ""
+        if retry:
+            then = f"retrying in {backoff(attempt) * 1000:.0f} ms"
+        elif answer.transient:
+            then = "no retries left"
+        else:
+            then = "not retried"
         log.warning("abort call to engine %s: %d id(s) of %d request(s) [%s] failed: %s%s "
-                    "(%s after %.1f ms)", engine.name, count, len(requests), named, detail, hint,
-                    outcome, took * 1000)
+                    "(%s after %.1f ms); attempt %d of %d, %s", engine.name, count,
+                    len(requests), named, answer.detail, hint, answer.outcome,
+                    answer.took * 1000, attempt, attempts, then)

@@ -35,14 +35,16 @@ class Metrics:
             ["route", "phase"], registry=registry)
         self.abort_calls = Counter(
             "cancel_sidecar_abort_calls_total",
-            "HTTP calls to an engine abort endpoint (one call carries the ids of many requests), "
-            "by engine and outcome (ok, http_<status>, timeout, error).",
+            "HTTP calls to an engine abort endpoint (one call carries the ids of many requests; "
+            "each attempt of a retried call counts), by engine and outcome (ok, http_<status>, "
+            "timeout, error).",
             ["engine", "outcome"], registry=registry)
         self.aborted_requests = Counter(
             "cancel_sidecar_aborted_requests_total",
-            "Requests whose engine ids the sidecar set out to abort, by engine and the outcome "
-            "of the call that carried them (ok, http_<status>, timeout, error; dropped: the "
-            "engine's abort queue was full, never sent; cancelled: the sidecar stopped first).",
+            "Requests whose engine ids the sidecar set out to abort, by engine and the final "
+            "outcome of the call that carried them, after its retries (ok, http_<status>, "
+            "timeout, error; dropped: the engine's abort queue was full, never sent; cancelled: "
+            "the sidecar stopped first).",
             ["engine", "outcome"], registry=registry)
         self.abort_latency = Histogram(
             "cancel_sidecar_abort_latency_seconds",
