@@ -37,6 +37,7 @@ from aiohttp import web
 from multidict import CIMultiDict, CIMultiDictProxy
 
 ABORT_PATH = "/inference/v1/abort_requests"
+ABORT_RESET = 0  # in EngineRecord.abort_script: reset the abort call's connection, no answer
 
 
 @dataclass
@@ -69,6 +70,12 @@ class EngineRecord:
     aborts: list[AbortRecord] = field(default_factory=list)
     abort_status: int = 200
     abort_delay: float = 0.0  # seconds before answering an abort call
+    # Abort-fault knobs (tests/faults): statuses for the next abort calls in arrival order, then
+    # abort_status again (ABORT_RESET: reset the connection instead of answering); a key the
+    # Authorization header must carry, else 401; a gate every abort call waits for while unset.
+    abort_script: list[int] = field(default_factory=list)
+    abort_key: str | None = None
+    abort_gate: asyncio.Event | None = None
     abort_event: asyncio.Event = field(default_factory=asyncio.Event)
     closed_event: asyncio.Event = field(default_factory=asyncio.Event)
     started_event: asyncio.Event = field(default_factory=asyncio.Event)
@@ -151,9 +158,29 @@ class FakeEngine:
         self.record.aborts.append(AbortRecord(time.monotonic(), ids,
                                               request.headers.get("Authorization"), raw))
         self.record.abort_event.set()
-        if self.record.abort_delay:
-            await asyncio.sleep(self.record.abort_delay)
-        return web.Response(status=self.record.abort_status)
+        record = self.record
+        if record.abort_key is not None and (
+                request.headers.get("Authorization") != f"Bearer {record.abort_key}"):
+            return web.Response(status=401)
+        status = record.abort_script.pop(0) if record.abort_script else record.abort_status
+        if record.abort_gate is not None:
+            await record.abort_gate.wait()
+        if record.abort_delay:
+            await asyncio.sleep(record.abort_delay)
+        if status == ABORT_RESET:
+            self._die(request, "rst")
+            return web.Response()  # never sent: the connection is gone
+        return web.Response(status=status)
+
+    async def listen_again(self) -> tuple[web.BaseSite, int]:
+        """Another listening socket (a free port) for the same engine, e.g. one a test closes
+        with ``site.stop()``: that closes the listener only, its established connections stay."""
+        assert self.runner is not None
+        sock = socket.socket()
+        sock.bind(("127.0.0.1", 0))
+        site = web.SockSite(self.runner, sock)
+        await site.start()
+        return site, int(sock.getsockname()[1])
 
     async def generate(self, request: web.Request) -> web.StreamResponse:
         body = await request.json()
