@@ -14,6 +14,7 @@ same event-loop turn; the engine is :mod:`tests.fake_engine` with ``abort_delay`
 from __future__ import annotations
 
 import asyncio
+import logging
 import socket
 import struct
 import time
@@ -25,11 +26,13 @@ from typing import Any
 
 import pytest
 
+from engine.vllm import MAX_IDS_PER_CALL
 from sidecar.abort import MAX_CALLS_PER_ENGINE
 from sidecar.server import Servers
 from tests.conftest import sidecar_settings
 from tests.fake_engine import ABORT_PATH, FakeEngine
 from tests.test_cancel import (
+    COMPLETIONS,
     GUARD_S,
     WAIT_S,
     RawClient,
@@ -247,3 +250,52 @@ async def test_calls_in_flight_are_bounded_and_the_slot_wait_is_not_timed(
     outcomes = samples(values, "cancel_sidecar_abort_calls_total")
     assert outcomes == {frozenset({("engine", "local"), ("outcome", "ok")}): len(calls)}, (
         f"expected {len(calls)} ok calls and no timeout (slot wait not timed), got {outcomes}")
+
+
+@pytest.mark.parametrize("chunk_fails", [False, True], ids=["all-ok", "one-chunk-500"])
+async def test_request_with_more_ids_than_one_call_is_split_naming_each_once(
+        engine: FakeEngine, start_sidecar: Callable[..., Any], caplog: pytest.LogCaptureFixture,
+        stalls: Stalls, chunk_fails: bool) -> None:
+    """A ``/v1/completions`` request of 1300 prompts has 1300 engine ids: the ``Aborter`` splits
+    them over calls of at most ``MAX_IDS_PER_CALL``, each id named once. The request gets one
+    outcome: ok, or the first call's failure (500 is never retried)."""
+    caplog.set_level(logging.INFO)
+    prompts = 2 * MAX_IDS_PER_CALL + 276
+    if chunk_fails:
+        engine.record.abort_script = [200, 500]  # the second call to arrive fails
+    servers: Servers = await start_sidecar(sidecar_settings(engine.url))
+    port, admin = servers.proxy_port, servers.admin_port or 0
+    reader, writer = await asyncio.open_connection("127.0.0.1", port)
+    client = RawClient(reader, writer, stalls)
+    client.send("POST", f"{COMPLETIONS}?tokens=100000&interval=0.2",
+                request_body({"prompt": ["p"] * prompts}, True))
+    status, head = await client.head()
+    assert status == 200, f"expected a 200 stream, got {status}"
+    await client.read_until(b"data:")
+    rid = head["X-Request-Id"]
+    reset(client)
+    outcome = "http_500" if chunk_fails else "ok"
+    await wait_metric(stalls, admin, "cancel_sidecar_aborted_requests_total", 1,
+                      engine="local", outcome=outcome)
+
+    sizes = sorted(len(a.ids) for a in engine.record.aborts)
+    print(f"[split] {prompts} ids in calls of {sizes}")
+    assert sizes == [prompts - 2 * MAX_IDS_PER_CALL, MAX_IDS_PER_CALL, MAX_IDS_PER_CALL], (
+        f"expected {prompts} ids split into calls of at most {MAX_IDS_PER_CALL}, got {sizes}")
+    named = Counter(engine.record.aborted_ids())
+    assert named == Counter(f"cmpl-{rid}-{i}" for i in range(prompts)), (
+        f"expected each of cmpl-{rid}-0..{prompts - 1} named once; got {len(named)} distinct, "
+        f"{sum(named.values())} in all")
+    values = await metrics(admin)
+    requests = samples(values, "cancel_sidecar_aborted_requests_total")
+    assert requests == {frozenset({("engine", "local"), ("outcome", outcome)}): 1}, (
+        f"aborted_requests_total: expected one request, {outcome}; got {requests}")
+    calls = {dict(k)["outcome"]: v
+             for k, v in samples(values, "cancel_sidecar_abort_calls_total").items()}
+    assert calls == ({"ok": 2, "http_500": 1} if chunk_fails else {"ok": 3}), calls
+    latency = samples(values, "cancel_sidecar_abort_latency_seconds_count")
+    assert sum(latency.values()) == (0 if chunk_fails else 1), (
+        f"abort_latency_seconds: expected one observation only if ok, got {latency}")
+    lines = [r.__dict__["access"] for r in caplog.records if r.name == "sidecar.access"]
+    assert len(lines) == 1 and lines[0]["abort"] == outcome, (
+        f"expected one access line with abort={outcome}, got {lines}")

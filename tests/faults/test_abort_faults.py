@@ -435,3 +435,42 @@ async def test_aborts_pending_at_stop_end_cancelled(
     assert len(engine.watch.on(ABORT_PATH)) == MAX_CALLS_PER_ENGINE, (
         "expected the waiting request never sent")
     assert_no_key(caplog)
+
+
+async def test_a_call_keeps_its_slot_while_it_backs_off(
+        engine: FakeEngine, start_sidecar: Callable[..., Any], stalls: Stalls) -> None:
+    """Every slot holds a call that will answer 503; one more request waits. The 503s come
+    together, and the waiting request's call goes out only after a retry was sent (it got a
+    slot a retried call gave up), never during the backoff."""
+    engine.record.abort_gate = gate = asyncio.Event()
+    engine.record.abort_script = [503] * MAX_CALLS_PER_ENGINE  # then 200: the retries succeed
+    servers: Servers = await start_sidecar(sidecar_settings(engine.url))
+    admin = servers.admin_port or 0
+    streams = [await open_completions(servers.proxy_port, stalls, 1)
+               for _ in range(MAX_CALLS_PER_ENGINE + 1)]
+    for k, (client, _) in enumerate(streams[:-1], 1):
+        client.disconnect("rst")
+        await stalls.wait(engine.watch.until(partial(calls_at, engine, k), FOREVER),
+                          f"abort call {k} at the engine")
+    streams[-1][0].disconnect("rst")
+    await wait_metric(stalls, admin, "cancel_sidecar_client_disconnects_total",
+                      len(streams), route="/", phase="streaming")
+    gate.set()
+    await wait_metric(stalls, admin, "cancel_sidecar_aborted_requests_total", len(streams),
+                      engine="local", outcome="ok")
+
+    waiting_id = f"cmpl-{streams[-1][1]}-0"
+    first = {f"cmpl-{rid}-0" for _, rid in streams[:-1]}
+    retries = [a for a in engine.record.aborts[MAX_CALLS_PER_ENGINE:] if set(a.ids) <= first]
+    waiting = [a for a in engine.record.aborts if waiting_id in a.ids]
+    print(f"[backoff slot] {len(retries)} retries; the waiting request's call arrived "
+          f"{ms(waiting[0].at - min(r.at for r in retries))} after the first retry")
+    assert len(retries) == MAX_CALLS_PER_ENGINE and len(waiting) == 1, (
+        f"expected {MAX_CALLS_PER_ENGINE} retries and one call for the waiting request, got "
+        f"{[a.ids for a in engine.record.aborts]}")
+    assert waiting[0].at > min(r.at for r in retries), (
+        "expected the waiting request's call only after a retried call gave its slot up; it "
+        "went out during the backoff")
+    values = await metrics(admin)
+    calls = engine_samples(values, "cancel_sidecar_abort_calls_total", "local")
+    assert calls == {"http_503": MAX_CALLS_PER_ENGINE, "ok": MAX_CALLS_PER_ENGINE + 1}, calls
