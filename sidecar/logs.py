@@ -21,9 +21,10 @@ requests, run in their own tasks and outlive the handler). JSON fields, in order
     client_disconnected  true if the client left before its response was complete
     phase                where the sidecar stopped the exchange (request_body,
                          before_first_byte, awaiting_response, streaming), or null
-    abort                null, or the outcome of the call(s) that carried the request's ids:
-                         ok, http_<status>, timeout, error (cancelled: the sidecar shut down
-                         before the call ended; dropped: the engine's abort queue was full)
+    abort                null, or the final outcome (after retries) of the call(s) that
+                         carried the request's ids: ok, http_<status>, timeout, error
+                         (cancelled: the sidecar shut down before the call ended;
+                         dropped: the engine's abort queue was full)
     abort_latency_s      seconds from noticing the disconnect to that outcome, or null
 
 Nothing secret is ever logged: no header values, no query strings, no abort key.
