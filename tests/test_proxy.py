@@ -3,7 +3,9 @@
 Every test runs the sidecar as production does (:func:`sidecar.server.start`, or the CLI as a
 subprocess) against real servers on 127.0.0.1: the fake engine, or a raw upstream from
 :mod:`tests.upstreams` where the fake engine cannot misbehave enough. Clients are raw sockets
-(:mod:`tests.rawhttp`) wherever the wire matters, aiohttp or curl elsewhere.
+(:mod:`tests.rawhttp`) wherever the wire matters, aiohttp or curl elsewhere. Upstream faults
+(refused, timeouts, malformed, death mid-stream, stale keep-alive, pooling after a cut-short
+response) are in :mod:`tests.faults.test_upstream_faults`, which shares the helpers here.
 """
 
 from __future__ import annotations
