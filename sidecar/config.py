@@ -157,7 +157,9 @@ class UpstreamSettings(_Model):
     ``connect_timeout_s``: TCP connect, seconds. ``first_byte_timeout_s``: from the request being
     sent until the response headers arrive (a non-streaming generation counts whole), seconds.
     ``read_timeout_s``: once the response headers arrived, the longest wait for the next body
-    byte (a stream's first event after queueing and prefill counts), seconds.
+    byte (a stream's first event after queueing and prefill counts; time spent writing to a slow
+    client does not), seconds; then the client's response ends abnormally, the upstream
+    connection is closed and the engine aborted.
     ``keepalive_timeout_s``: how long an idle pooled connection is kept; keep it below the
     engine's own idle timeout (uvicorn: 5 s) so the engine is not the one closing it.
     ``max_connections``: pool size, 0 for unlimited. ``replay_buffer_bytes``: a POST that fails on

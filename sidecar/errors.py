@@ -8,10 +8,19 @@ each, with ``raise ... from exc``::
     ├── ListenError                  a configured address cannot be listened on (exit 1)
     └── UpstreamError                the engine could not give a response (mapped to 502/504)
         ├── UpstreamConnectError     connection refused / unreachable            -> 502
-        ├── UpstreamProtocolError    malformed or truncated response headers     -> 502
+        ├── UpstreamProtocolError    malformed response headers                  -> 502
+        │   └── UpstreamDisconnected the engine closed/reset before the headers  -> 502
         └── UpstreamTimeoutError     (also a TimeoutError)                       -> 504
             ├── UpstreamConnectTimeout      no connection within connect_timeout_s
-            └── UpstreamFirstByteTimeout    no response headers within first_byte_timeout_s
+            ├── UpstreamFirstByteTimeout    no response headers within first_byte_timeout_s
+            └── UpstreamReadTimeout         no body byte within read_timeout_s (headers already
+                                            relayed: the client's response ends abnormally)
+
+``engine_may_hold_request`` says whether the engine may still hold the whole request when the
+error is raised, because the sidecar is the one giving up on a connection the engine keeps (a
+timeout, a malformed response): the proxy then aborts the engine. Where the engine never got the
+request (connect errors) or closed the connection itself (:class:`UpstreamDisconnected`, death
+mid-stream) nothing is aborted.
 """
 
 from __future__ import annotations
@@ -59,6 +68,7 @@ class UpstreamError(SidecarError):
 
     status = 502
     error_type = "upstream_error"
+    engine_may_hold_request = False
 
 
 class UpstreamConnectError(UpstreamError):
@@ -68,9 +78,20 @@ class UpstreamConnectError(UpstreamError):
 
 
 class UpstreamProtocolError(UpstreamError):
-    """The engine closed or broke the connection before complete response headers."""
+    """The engine answered with response headers that do not parse (bad status line or field).
+
+    Its side of the connection is still open when the sidecar closes it: it may be generating.
+    """
 
     error_type = "upstream_protocol_error"
+    engine_may_hold_request = True
+
+
+class UpstreamDisconnected(UpstreamProtocolError):
+    """The engine closed or reset the connection before complete response headers (after the
+    one re-send a stale pooled connection gets). Its side of the request is gone."""
+
+    engine_may_hold_request = False
 
 
 class UpstreamTimeoutError(UpstreamError, TimeoutError):
@@ -86,3 +107,13 @@ class UpstreamConnectTimeout(UpstreamTimeoutError):
 
 class UpstreamFirstByteTimeout(UpstreamTimeoutError):
     """No response headers from the engine within ``upstream.first_byte_timeout_s``."""
+
+    engine_may_hold_request = True
+
+
+class UpstreamReadTimeout(UpstreamTimeoutError):
+    """No response body byte from the engine within ``upstream.read_timeout_s`` (seconds) of the
+    relay asking for one. Raised mid-body, after the response headers went to the client, so the
+    client's response is ended abnormally rather than answered with a 504."""
+
+    engine_may_hold_request = True

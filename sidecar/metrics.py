@@ -54,7 +54,8 @@ class Metrics:
         self.upstream_errors = Counter(
             "cancel_sidecar_upstream_errors_total",
             "Upstream failures, by engine and kind (ConnectError, ConnectTimeout, "
-            "FirstByteTimeout, ProtocolError, MidStream).",
+            "FirstByteTimeout, ProtocolError: malformed head, Disconnected: closed before the "
+            "head, MidStream: closed or reset mid-body, ReadTimeout: silent mid-body).",
             ["engine", "kind"], registry=registry)
         self.upstream_ttfb = Histogram(
             "cancel_sidecar_upstream_time_to_first_byte_seconds",

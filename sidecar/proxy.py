@@ -26,14 +26,14 @@ from aiohttp import web
 from multidict import CIMultiDict
 
 from sidecar.abort import Aborter
-from sidecar.errors import UpstreamError, UpstreamFirstByteTimeout
+from sidecar.errors import UpstreamError, UpstreamReadTimeout
 from sidecar.headers import downstream_response_headers, upstream_request_headers
 from sidecar.keys import ABORTER, METRICS
 from sidecar.logs import RequestLog
 from sidecar.metrics import Metrics
 from sidecar.route import RouteTarget
 from sidecar.runtime import Runtime
-from sidecar.upstream import RequestBody, open_upstream, origin_form, upstream_url
+from sidecar.upstream import ReadDeadline, RequestBody, open_upstream, origin_form, upstream_url
 
 log = logging.getLogger(__name__)
 
@@ -112,20 +112,26 @@ class Exchange:
         await response.prepare(request)
         self.status_sent = response.status
         previous = b""
-        while True:
-            try:
-                chunk = await upstream.content.readany()
-            except aiohttp.ClientError as exc:
-                return self._broken_mid_stream(response, exc)
-            if not chunk:
-                break
-            # The OpenAI end-of-stream event means the engine is done: a client that closes on
-            # reading it (before the upstream's final chunk) is not a disconnect.
-            self.saw_done_event = (chunk if len(chunk) >= len(SSE_DONE)
-                                   else previous + chunk).endswith(SSE_DONE)
-            previous = chunk
-            await response.write(chunk)
-            self.bytes_sent += len(chunk)
+        deadline = ReadDeadline(upstream.content, settings.read_timeout_s, engine.base_url)
+        try:
+            while True:
+                deadline.reading()
+                try:
+                    chunk = await upstream.content.readany()
+                except (aiohttp.ClientError, UpstreamReadTimeout) as exc:
+                    return self._broken_mid_stream(response, exc)
+                deadline.done()
+                if not chunk:
+                    break
+                # The OpenAI end-of-stream event means the engine is done: a client that closes
+                # on reading it (before the upstream's final chunk) is not a disconnect.
+                self.saw_done_event = (chunk if len(chunk) >= len(SSE_DONE)
+                                       else previous + chunk).endswith(SSE_DONE)
+                previous = chunk
+                await response.write(chunk)
+                self.bytes_sent += len(chunk)
+        finally:
+            deadline.cancel()
         self.upstream_finished = True
         upstream.release()
         await response.write_eof()
@@ -207,22 +213,34 @@ class Exchange:
         self.metrics.upstream_errors.labels(self.target.engine.name, kind).inc()
         # The detail (which may quote upstream bytes) goes to the log, not to the client.
         log.warning("request %s: %s (%s)", self.id, exc, exc.__cause__)
-        if isinstance(exc, UpstreamFirstByteTimeout):
-            # The engine may still be queuing or generating for nobody: abort it.
-            self._stop("first-byte timeout", disconnect=False)
+        if exc.engine_may_hold_request:
+            # A timeout or a malformed head: the engine may still be queuing or generating for
+            # nobody, so abort it. (Connect errors: it never got the request; a close before the
+            # head: its side is gone.)
+            self._stop(kind, disconnect=False)
         self.upstream_finished = True
         return error_response(exc.status, str(exc), exc.error_type, self.id)
 
     def _broken_mid_stream(self, response: web.StreamResponse,
-                           exc: aiohttp.ClientError) -> web.StreamResponse:
-        """The engine died after the response began: end it so the client sees it incomplete.
+                           exc: aiohttp.ClientError | UpstreamReadTimeout) -> web.StreamResponse:
+        """The engine broke or fell silent after the response began: end it so the client sees
+        it incomplete, and close the upstream connection (never pooled again).
 
-        A chunked or length-delimited body is cut short (no final chunk / too few bytes); a
-        close-delimited one (HTTP/1.0) can only say so with a TCP reset.
+        ``ClientError`` (FIN, RST, fewer bytes than ``Content-Length``): the engine's side is
+        gone, nothing is aborted; counted as ``MidStream``. :class:`UpstreamReadTimeout` (no body
+        byte within ``read_timeout_s``): the engine may be stuck or generating for nobody, so it
+        is aborted like after a first-byte timeout, unless it already sent ``data: [DONE]``;
+        counted as ``ReadTimeout``. A chunked or length-delimited body is cut short (no final
+        chunk / too few bytes); a close-delimited one (HTTP/1.0) can only say so with a TCP reset.
         """
+        timed_out = isinstance(exc, UpstreamReadTimeout)
+        kind = "ReadTimeout" if timed_out else "MidStream"
+        self.metrics.upstream_errors.labels(self.target.engine.name, kind).inc()
+        log.warning("request %s: upstream %s mid-response: %s", self.id,
+                    "fell silent" if timed_out else "broke", exc)
+        if timed_out and not self.saw_done_event:
+            self._stop("read timeout", disconnect=False)
         self.upstream_finished = True
-        self.metrics.upstream_errors.labels(self.target.engine.name, "MidStream").inc()
-        log.warning("request %s: upstream broke mid-response: %s", self.id, exc)
         assert self.upstream is not None
         self.upstream.close()
         transport = self.request.transport

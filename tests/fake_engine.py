@@ -18,7 +18,8 @@ test can await instead of sleeping.
 
 Transparency routes (``tests/test_proxy.py``): ``/sink`` (streams the body in, answers its length
 and SHA-256), ``/status/{code}`` (that status with two Set-Cookie fields), ``/gzip`` (a gzip body
-byte for byte), ``/peer`` and ``/peer_stream`` (which upstream connection carried the request).
+byte for byte), ``/peer`` and ``/peer_stream`` (which upstream connection carried the request;
+used by ``tests/faults/test_upstream_faults.py``).
 """
 
 from __future__ import annotations

@@ -3,7 +3,9 @@
 Every test runs the sidecar as production does (:func:`sidecar.server.start`, or the CLI as a
 subprocess) against real servers on 127.0.0.1: the fake engine, or a raw upstream from
 :mod:`tests.upstreams` where the fake engine cannot misbehave enough. Clients are raw sockets
-(:mod:`tests.rawhttp`) wherever the wire matters, aiohttp or curl elsewhere.
+(:mod:`tests.rawhttp`) wherever the wire matters, aiohttp or curl elsewhere. Upstream faults
+(refused, timeouts, malformed, death mid-stream, stale keep-alive, pooling after a cut-short
+response) are in :mod:`tests.faults.test_upstream_faults`, which shares the helpers here.
 """
 
 from __future__ import annotations
@@ -16,9 +18,7 @@ import json
 import os
 import re
 import signal
-import socket
 import sys
-import time
 from collections.abc import AsyncIterator, Callable
 from pathlib import Path
 from typing import Any
@@ -26,13 +26,12 @@ from typing import Any
 import aiohttp
 import pytest
 import yaml
-from aiohttp import web
 
 from sidecar.server import Servers
 from tests import rawhttp
 from tests.conftest import sidecar_settings
 from tests.fake_engine import FakeEngine, gzip_body
-from tests.upstreams import RawRequest, RawUpstream, refused_port
+from tests.upstreams import RawRequest, RawUpstream
 
 GUARD_S = 5.0  # bound on any single wait that should take milliseconds
 CLI_GUARD_S = 15.0  # bound on a CLI subprocess starting (imports) or exiting
@@ -352,257 +351,6 @@ async def test_http10_client_gets_close_delimited_sse(engine: FakeEngine,
     events = sse_events(resp.body)
     assert resp.ending == "eof" and len(events) == 6 and events[-1] == b"data: [DONE]", (
         f"expected 5 events, [DONE] and a clean close; got {resp.ending}: {events!r}")
-
-
-# --- Upstream connection pooling ---------------------------------------------------------------
-
-async def get_peer(session: aiohttp.ClientSession, servers: Servers) -> int:
-    async with session.get(proxy_url(servers, "/peer")) as resp:
-        assert resp.status == 200, f"/peer: expected 200, got {resp.status}"
-        return int((await resp.json())["peer"])
-
-
-async def test_upstream_connection_reused_but_not_after_a_cut_short_response(
-        engine: FakeEngine, sidecar: Servers) -> None:
-    async with asyncio.timeout(GUARD_S), aiohttp.ClientSession() as session:
-        before = [await get_peer(session, sidecar) for _ in range(5)]
-        assert len(set(before)) == 1, f"sequential requests should share one upstream "\
-            f"connection, engine saw client ports {before}"
-
-        async with rawhttp.connect(sidecar.proxy_port) as (reader, writer):
-            writer.write(rawhttp.request_bytes("GET", "/peer_stream?tokens=10000&interval=0.01"))
-            head = await rawhttp.read_head(reader)
-            await reader.readuntil(b"\n\n")
-            cut = int(head.get("X-Upstream-Peer") or 0)
-            writer.transport.abort()
-        await engine.peer_stream_closed.wait()
-
-        after = [await get_peer(session, sidecar) for _ in range(5)]
-    assert cut not in after, (
-        f"the connection (port {cut}) whose response was cut short was reused: {after}")
-    assert len(set(after)) == 1, f"expected reuse after the cut, engine saw ports {after}"
-
-
-def _echo_len_app() -> web.Application:
-    async def handler(request: web.Request) -> web.Response:
-        body = await request.read()
-        return web.json_response({"body_len": len(body)})
-
-    app = web.Application()
-    app.router.add_post("/v1/echo_len", handler)
-    return app
-
-
-def _answer_body_len(request: RawRequest) -> bytes:
-    body = json.dumps({"body_len": len(request.body),
-                       "sha256": hashlib.sha256(request.body).hexdigest()}).encode()
-    return (b"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\n"
-            b"Content-Length: %d\r\n\r\n%s" % (len(body), body))
-
-
-@contextlib.asynccontextmanager
-async def idle_closing_upstream(kind: str) -> AsyncIterator[tuple[str, Callable[[], int]]]:
-    """An upstream that closes keep-alive connections idle for ~0.2 s: an aiohttp server (like
-    uvicorn's idle timeout), or a raw one that drops a reused connection when a request arrives
-    after that idle gap, the race a pooled client loses when the server's close crosses its
-    request on the wire. Yields (url, number of connections it has accepted)."""
-    if kind == "aiohttp":
-        peers: set[int] = set()
-
-        @web.middleware
-        async def count(request: web.Request, handler: Any) -> web.StreamResponse:
-            assert request.transport is not None
-            peers.add(request.transport.get_extra_info("peername")[1])
-            return await handler(request)  # type: ignore[no-any-return]
-
-        app = _echo_len_app()
-        app.middlewares.append(count)
-        runner = web.AppRunner(app, keepalive_timeout=0.2, access_log=None)
-        await runner.setup()
-        await web.TCPSite(runner, "127.0.0.1", 0).start()
-        try:
-            yield f"http://127.0.0.1:{runner.addresses[0][1]}", lambda: len(peers)
-        finally:
-            await runner.cleanup()
-        return
-
-    async with raw_upstream(_answer_body_len, drop_idle_s=0.2) as upstream:
-        yield upstream.url, lambda: upstream.connections
-
-
-@pytest.mark.parametrize("kind", ["aiohttp", "raw"])
-async def test_post_never_fails_on_a_stale_pooled_connection(
-        kind: str, start_sidecar: StartSidecar) -> None:
-    gaps = [0.0, 0.25, 0.05, 0.19, 0.21, 0.3, 0.02, 0.2, 0.22, 0.18, 0.25, 0.23]
-    async with idle_closing_upstream(kind) as (url, connections):
-        servers = await start_sidecar(sidecar_settings(url, upstream={"keepalive_timeout_s": 30}))
-        results = []
-        async with aiohttp.ClientSession() as session:
-            for i, gap in enumerate(gaps):
-                await asyncio.sleep(gap)  # creates the idle gap; not synchronisation
-                body = json.dumps({"i": i, "pad": "p" * 2000}).encode()
-                async with asyncio.timeout(GUARD_S), session.post(
-                        proxy_url(servers, "/v1/echo_len"), data=body,
-                        headers={"Content-Type": "application/json"}) as resp:
-                    answer = await resp.read()
-                    ok = resp.status == 200 and json.loads(answer)["body_len"] == len(body)
-                    results.append((i, gap, resp.status, answer, ok))
-        failed = [r for r in results if not r[-1]]
-        assert not failed, f"POSTs failed after an idle gap (i, gap, status, body): {failed}"
-        assert connections() > 1, (
-            f"the upstream never closed an idle connection ({connections()} connection): "
-            "the test did not exercise staleness")
-
-
-async def test_post_still_streaming_its_body_survives_a_stale_pooled_connection(
-        start_sidecar: StartSidecar) -> None:
-    """The stale connection drops while the client is still sending: the sidecar re-sends what it
-    already relayed on a fresh connection and keeps relaying the rest, no byte lost or doubled."""
-    parts = [b'{"pad": "' + b"a" * 3000, b"b" * 50000, b'"}']
-    whole = b"".join(parts)
-    async with raw_upstream(_answer_body_len, drop_idle_s=0.2) as upstream:
-        servers = await start_sidecar(sidecar_settings(
-            upstream.url, upstream={"keepalive_timeout_s": 30}))
-        async with asyncio.timeout(GUARD_S), aiohttp.ClientSession() as session:
-            async with session.post(proxy_url(servers, "/v1/echo_len"), data=b"{}") as warm:
-                assert warm.status == 200, f"warm-up POST: expected 200, got {warm.status}"
-        await asyncio.sleep(0.3)  # creates the idle gap; not synchronisation
-        async with asyncio.timeout(GUARD_S), rawhttp.connect(servers.proxy_port) as (reader,
-                                                                                     writer):
-            writer.write(rawhttp.request_bytes("POST", "/v1/echo_len", [
-                ("Content-Type", "application/json"), ("Transfer-Encoding", "chunked")]))
-            writer.write(b"%x\r\n%s\r\n" % (len(parts[0]), parts[0]))
-            await writer.drain()
-            await upstream.dropped_event.wait()  # the stale connection met the request head
-            for part in parts[1:]:
-                writer.write(b"%x\r\n%s\r\n" % (len(part), part))
-            writer.write(b"0\r\n\r\n")
-            resp = await rawhttp.read_body(reader, await rawhttp.read_head(reader))
-    assert resp.status == 200, f"expected 200 after the re-send, got {resp.status} {resp.body!r}"
-    seen = json.loads(resp.body)
-    assert (seen["body_len"], seen["sha256"]) == (len(whole), hashlib.sha256(whole).hexdigest()), (
-        f"upstream got {seen['body_len']} bytes (sha {seen['sha256']}), client sent {len(whole)}")
-    assert upstream.dropped == 1, f"expected exactly one stale drop, got {upstream.dropped}"
-
-
-# --- Timeouts and upstream errors --------------------------------------------------------------
-
-async def test_stream_longer_than_first_byte_timeout_completes(
-        engine: FakeEngine, start_sidecar: StartSidecar) -> None:
-    servers = await start_sidecar(sidecar_settings(
-        engine.url, upstream={"first_byte_timeout_s": 0.3}))
-    started = time.monotonic()
-    async with asyncio.timeout(GUARD_S):
-        resp = await rawhttp.exchange(servers.proxy_port, post_json(
-            "/v1/chat/completions?tokens=8&interval=0.1", {"stream": True}))
-    took = time.monotonic() - started
-    events = sse_events(resp.body)
-    assert resp.status == 200 and resp.ending == "complete" and events[-1:] == [
-        b"data: [DONE]"], f"expected a complete stream, got {resp.status} {resp.ending} {events}"
-    assert took > 0.6, f"the stream should have outlived first_byte_timeout_s, took {took:.2f}s"
-
-
-async def test_refused_upstream_is_a_fast_502(start_sidecar: StartSidecar) -> None:
-    servers = await start_sidecar(sidecar_settings(f"http://127.0.0.1:{refused_port()}"))
-    started = time.monotonic()
-    async with asyncio.timeout(GUARD_S):
-        resp = await rawhttp.exchange(servers.proxy_port, post_json("/v1/chat/completions", {}))
-    took = time.monotonic() - started
-    assert_openai_error(resp.status, resp.body, 502, "upstream_unreachable")
-    assert took < 1.0, f"a refused connection should fail at once, took {took:.2f}s"
-
-
-async def test_silent_upstream_is_a_504_after_first_byte_timeout(
-        start_sidecar: StartSidecar) -> None:
-    async with raw_upstream(lambda _: None) as upstream:
-        servers = await start_sidecar(sidecar_settings(
-            upstream.url, upstream={"first_byte_timeout_s": 0.4}))
-        started = time.monotonic()
-        async with asyncio.timeout(GUARD_S):
-            resp = await rawhttp.exchange(servers.proxy_port, rawhttp.request_bytes("GET", "/x"))
-        took = time.monotonic() - started
-    assert_openai_error(resp.status, resp.body, 504, "upstream_timeout")
-    assert 0.35 <= took < 3.0, f"expected the 504 after ~0.4s (first_byte_timeout_s), {took:.2f}s"
-    assert len(upstream.requests) == 1, f"expected one request upstream, {upstream.requests}"
-
-
-async def test_connect_timeout_is_a_504(start_sidecar: StartSidecar) -> None:
-    # A listener with a full accept queue drops further SYNs: connecting hangs.
-    with socket.socket() as listener, socket.socket() as filler:
-        listener.bind(("127.0.0.1", 0))
-        listener.listen(0)
-        filler.connect(listener.getsockname())
-        servers = await start_sidecar(sidecar_settings(
-            f"http://127.0.0.1:{listener.getsockname()[1]}",
-            upstream={"connect_timeout_s": 0.3, "first_byte_timeout_s": 10}))
-        started = time.monotonic()
-        async with asyncio.timeout(GUARD_S):
-            resp = await rawhttp.exchange(servers.proxy_port, rawhttp.request_bytes("GET", "/x"))
-        took = time.monotonic() - started
-    assert_openai_error(resp.status, resp.body, 504, "upstream_timeout")
-    assert 0.25 <= took < 3.0, f"expected the 504 after ~0.3s (connect_timeout_s), {took:.2f}s"
-
-
-MALFORMED = {
-    "garbage": b"this is not http\r\n\r\n",
-    "bad-status": b"HTTP/1.1 abc OK\r\nContent-Length: 0\r\n\r\n",
-    "bad-header": b"HTTP/1.1 200 OK\r\nno colon here\r\nContent-Length: 0\r\n\r\n",
-    "truncated-head": b"HTTP/1.1 200 OK\r\nContent-Le",
-}
-
-
-@pytest.mark.parametrize("name", list(MALFORMED))
-async def test_malformed_upstream_response_is_a_502(name: str,
-                                                    start_sidecar: StartSidecar) -> None:
-    async with raw_upstream(lambda _: MALFORMED[name], close_after_response=True) as upstream:
-        servers = await start_sidecar(sidecar_settings(upstream.url))
-        async with asyncio.timeout(GUARD_S):
-            resp = await rawhttp.exchange(servers.proxy_port, rawhttp.request_bytes("GET", "/x"))
-    assert_openai_error(resp.status, resp.body, 502, "upstream_protocol_error")
-
-
-# --- An upstream that dies mid-stream ends the client's response abnormally --------------------
-
-@pytest.mark.parametrize("die", ["fin", "rst"])
-async def test_upstream_death_mid_stream_is_a_payload_error_for_aiohttp(
-        die: str, engine: FakeEngine, sidecar: Servers) -> None:
-    received = b""
-    async with asyncio.timeout(GUARD_S), aiohttp.ClientSession() as session:
-        async with session.post(
-                proxy_url(sidecar, f"/v1/chat/completions?tokens=10&die_after=3&die={die}"),
-                json={"stream": True}) as resp:
-            assert resp.status == 200, f"expected the stream to start with 200, got {resp.status}"
-            with pytest.raises(aiohttp.ClientPayloadError):
-                while chunk := await resp.content.readany():
-                    received += chunk
-    assert b"[DONE]" not in received, f"a [DONE] the engine never sent: {received!r}"
-    assert received.count(b"data:") == 3, f"expected the 3 events sent, got {received!r}"
-
-
-@pytest.mark.parametrize("die", ["fin", "rst"])
-async def test_upstream_death_mid_stream_leaves_chunked_body_unterminated(
-        die: str, engine: FakeEngine, sidecar: Servers) -> None:
-    async with asyncio.timeout(GUARD_S):
-        resp = await rawhttp.exchange(sidecar.proxy_port, post_json(
-            f"/v1/chat/completions?tokens=10&die_after=3&die={die}", {"stream": True}))
-    assert resp.status == 200 and resp.chunked, f"expected a chunked 200, got {resp.headers}"
-    assert resp.ending != "complete", (
-        f"expected no terminating 0-chunk after the engine died, got a complete body {resp.body!r}")
-    assert b"[DONE]" not in resp.body, f"a [DONE] the engine never sent: {resp.body!r}"
-
-
-@pytest.mark.parametrize("die", ["fin", "rst"])
-async def test_upstream_death_mid_stream_resets_an_http10_client(
-        die: str, engine: FakeEngine, sidecar: Servers) -> None:
-    async with asyncio.timeout(GUARD_S):
-        resp = await rawhttp.exchange(sidecar.proxy_port, post_json(
-            f"/v1/chat/completions?tokens=10&die_after=3&die={die}", {"stream": True},
-            "HTTP/1.0"))
-    assert resp.status == 200 and not resp.chunked, f"expected close-delimited: {resp.headers}"
-    assert resp.ending == "reset", (
-        f"a close-delimited body cut short must end in a TCP reset (a FIN reads as a complete "
-        f"response); got {resp.ending!r} after {resp.body!r}")
-    assert b"[DONE]" not in resp.body, f"a [DONE] the engine never sent: {resp.body!r}"
 
 
 # --- The CLI -----------------------------------------------------------------------------------

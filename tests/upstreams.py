@@ -6,6 +6,11 @@ a malformed status line, or nothing at all (a listener that accepts and never an
 ``idle_close_s`` it closes a keep-alive connection that stays idle that long, like an engine's
 HTTP server does; with ``drop_idle_s`` it plays the race an idle close can win: a request
 that arrives on a used connection idle that long is met by a close, its body unread.
+
+A response that does not close its connection and is not followed by another request leaves the
+upstream silent on that connection: ``respond`` returning only a head, or a head and some events,
+plays an engine that stalls mid-response. :attr:`RawUpstream.open` says which connections are
+still open at the server side, for leak checks.
 """
 
 from __future__ import annotations
@@ -44,6 +49,7 @@ class RawUpstream:
         self.close_after_response = close_after_response
         self.requests: list[RawRequest] = []
         self.connections = 0
+        self.open: set[int] = set()  # numbers of the connections not yet closed
         self.received = asyncio.Event()
         self._server: asyncio.Server | None = None
         self._writers: set[asyncio.StreamWriter] = set()
@@ -67,6 +73,7 @@ class RawUpstream:
     async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         conn = self.connections
         self.connections += 1
+        self.open.add(conn)
         self._writers.add(writer)
         answered_at: float | None = None
         loop = asyncio.get_running_loop()
@@ -98,6 +105,7 @@ class RawUpstream:
         except ConnectionError:
             return
         finally:
+            self.open.discard(conn)
             self._writers.discard(writer)
             writer.close()
             with contextlib.suppress(ConnectionError):
