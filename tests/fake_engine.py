@@ -1,10 +1,10 @@
 """A scriptable fake engine on 127.0.0.1 for precise fault injection.
 
 It speaks enough of vLLM's HTTP surface for the sidecar: ``/v1/chat/completions``,
-``/v1/completions`` and ``/inference/v1/generate`` (SSE when the body says ``"stream": true``,
-else one JSON document), the abort endpoint ``/inference/v1/abort_requests``, ``/health``, and
-``/echo`` (answers with what it received). Behaviour per request comes from query parameters,
-which the sidecar forwards untouched:
+``/v1/completions``, ``/inference/v1/generate`` and ``/v1/responses`` (SSE when the body says
+``"stream": true``, else one JSON document), the abort endpoint ``/inference/v1/abort_requests``,
+``/health``, and ``/echo`` (answers with what it received). Behaviour per request comes from
+query parameters, which the sidecar forwards untouched:
 
 - ``tokens`` (int, default 20) and ``interval`` (seconds between SSE events, default 0.01)
 - ``first_byte_delay`` (seconds before the response headers)
@@ -96,7 +96,8 @@ class FakeEngine:
     def __init__(self) -> None:
         self.record = EngineRecord()
         self.app = web.Application()
-        for path in ("/v1/chat/completions", "/v1/completions", "/inference/v1/generate"):
+        for path in ("/v1/chat/completions", "/v1/completions", "/inference/v1/generate",
+                     "/v1/responses"):
             self.app.router.add_post(path, self.generate)
         self.app.router.add_post(ABORT_PATH, self.abort)
         self.app.router.add_get("/health", self.health)
