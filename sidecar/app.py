@@ -92,7 +92,7 @@ def make_app(settings: Settings, registry: CollectorRegistry) -> web.Application
     """The proxy application: every method and path goes through :func:`sidecar.proxy.handle`.
 
     ``client_max_size`` only limits ``request.read()``, which the proxy never calls: bodies
-    stream through uncapped.
+    stream through, bounded by ``downstream.max_body_bytes`` (:mod:`sidecar.upstream`).
     """
     app = web.Application(handler_args={"max_field_size": MAX_HEADER_BYTES,
                                         "max_line_size": MAX_HEADER_BYTES},

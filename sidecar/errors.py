@@ -6,6 +6,10 @@ each, with ``raise ... from exc``::
     SidecarError
     ├── ConfigError                  bad YAML, schema or cross-reference; carries every problem
     ├── ListenError                  a configured address cannot be listened on (exit 1)
+    ├── DownstreamError              the client's request broke a limit (mapped to 4xx)
+    │   ├── RequestBodyTooLarge      body over downstream.max_body_bytes         -> 413
+    │   └── RequestBodyTimeout       (also a TimeoutError) no body bytes within
+    │                                downstream.body_timeout_s                   -> 408
     └── UpstreamError                the engine could not give a response (mapped to 502/504)
         ├── UpstreamConnectError     connection refused / unreachable            -> 502
         ├── UpstreamProtocolError    malformed response headers                  -> 502
@@ -61,6 +65,29 @@ class ConfigError(SidecarError):
 
 class ListenError(SidecarError):
     """A listener could not be opened (address in use, unknown host, no permission)."""
+
+
+class DownstreamError(SidecarError):
+    """The client's request broke a downstream limit. ``status`` is what the client gets; the
+    engine never had the whole request, so nothing is aborted."""
+
+    status = 400
+    error_type = "invalid_request"
+
+
+class RequestBodyTooLarge(DownstreamError):
+    """A request body over ``downstream.max_body_bytes``: by its Content-Length (nothing went
+    upstream) or while it was being relayed (the upstream request is closed)."""
+
+    status = 413
+    error_type = "request_too_large"
+
+
+class RequestBodyTimeout(DownstreamError, TimeoutError):
+    """No request body bytes from the client for ``downstream.body_timeout_s`` seconds."""
+
+    status = 408
+    error_type = "request_timeout"
 
 
 class UpstreamError(SidecarError):

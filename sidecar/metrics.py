@@ -57,6 +57,12 @@ class Metrics:
             "FirstByteTimeout, ProtocolError: malformed head, Disconnected: closed before the "
             "head, MidStream: closed or reset mid-body, ReadTimeout: silent mid-body).",
             ["engine", "kind"], registry=registry)
+        self.downstream_errors = Counter(
+            "cancel_sidecar_downstream_errors_total",
+            "Requests refused for their body, by route prefix and kind (BodyTooLarge: over "
+            "downstream.max_body_bytes, 413; BodyTimeout: silent for downstream.body_timeout_s, "
+            "408). The engine never had the whole request: never aborted.",
+            ["route", "kind"], registry=registry)
         self.upstream_ttfb = Histogram(
             "cancel_sidecar_upstream_time_to_first_byte_seconds",
             "Time from sending a request upstream to receiving its response headers.",

@@ -9,6 +9,11 @@ starts the engine abort in its own task, and the cancellation propagates.
 A write that fails because the client is gone takes the same path. The engine is aborted only if
 it has the whole request and has not finished its response; a client that leaves right after the
 last byte costs nothing.
+
+A client that reads slowly is not gone: each write waits while more than
+``downstream.write_buffer_bytes`` are unsent, and the relay reads the engine only after its write,
+so the engine's own writes wait too. A request body that breaks a ``downstream`` limit (size,
+silence) gets 413/408 and the connection closed; the engine never had all of it: no abort.
 """
 
 from __future__ import annotations
@@ -26,14 +31,26 @@ from aiohttp import web
 from multidict import CIMultiDict
 
 from sidecar.abort import Aborter
-from sidecar.errors import UpstreamError, UpstreamReadTimeout
+from sidecar.errors import (
+    DownstreamError,
+    RequestBodyTooLarge,
+    UpstreamError,
+    UpstreamReadTimeout,
+)
 from sidecar.headers import downstream_response_headers, upstream_request_headers
 from sidecar.keys import ABORTER, METRICS
 from sidecar.logs import RequestLog
 from sidecar.metrics import Metrics
 from sidecar.route import RouteTarget
 from sidecar.runtime import Runtime
-from sidecar.upstream import ReadDeadline, RequestBody, open_upstream, origin_form, upstream_url
+from sidecar.upstream import (
+    ReadDeadline,
+    RequestBody,
+    open_upstream,
+    origin_form,
+    read_body_chunk,
+    upstream_url,
+)
 
 log = logging.getLogger(__name__)
 
@@ -84,19 +101,18 @@ class Exchange:
         if client_id:
             headers[CLIENT_REQUEST_ID] = client_id[0]
         engine.tag(request.path, self.id, headers)
-        keep = settings.replay_buffer_bytes
-        if not request.body_exists:
-            self.body = RequestBody(None, keep)
-        elif engine.rewrites_body(request.method, request.path):
-            self.body = await self._rewritten_body(headers, keep)
-        else:
-            self.body = RequestBody(request.content, keep)
+        try:
+            self.body = await self._request_body(headers)
+        except DownstreamError as exc:
+            return await self._refuse_body(exc)
 
         started = time.monotonic()
         try:
             upstream = await open_upstream(
                 self.runtime.sessions, settings, request.method,
                 upstream_url(engine.base_url, self.target_path), headers, self.body, self.id)
+        except DownstreamError as exc:
+            return await self._refuse_body(exc)
         except UpstreamError as exc:
             return self._fail(exc)
         self.upstream = upstream
@@ -109,6 +125,10 @@ class Exchange:
         response.headers[REQUEST_ID] = self.id
         if client_id:
             response.headers[CLIENT_REQUEST_ID] = client_id[0]
+        if request.transport is not None:
+            # Past this many unsent bytes, response.write waits (aiohttp drains every 64 KiB).
+            request.transport.set_write_buffer_limits(
+                high=self.runtime.settings.downstream.write_buffer_bytes)
         await response.prepare(request)
         self.status_sent = response.status
         previous = b""
@@ -137,22 +157,40 @@ class Exchange:
         await response.write_eof()
         return response
 
+    async def _request_body(self, headers: CIMultiDict[str]) -> RequestBody:
+        """The body to relay, read under the request's ``downstream`` limits. Raises
+        :class:`RequestBodyTooLarge` at once for a Content-Length over ``max_body_bytes``."""
+        request, engine = self.request, self.target.engine
+        keep = self.runtime.settings.upstream.replay_buffer_bytes
+        limits = self.runtime.settings.downstream
+        if not request.body_exists:
+            return RequestBody(None, keep)
+        length, limit = request.content_length, limits.max_body_bytes
+        if limit and length is not None and length > limit:
+            raise RequestBodyTooLarge(
+                f"Content-Length {length} is over the limit of {limit} bytes")
+        if engine.rewrites_body(request.method, request.path):
+            return await self._rewritten_body(headers, keep)
+        return RequestBody(request.content, keep, limits=limits)
+
     async def _rewritten_body(self, headers: CIMultiDict[str], limit: int) -> RequestBody:
         """Read the body whole (up to ``limit`` bytes) and let the engine adapter rewrite it.
 
         A larger body is relayed unchanged after what was read: the engine then picks its own
-        request id, so this request cannot be aborted by id (logged).
+        request id, so this request cannot be aborted by id (logged). Raises
+        :class:`~sidecar.errors.DownstreamError` if the body breaks a ``downstream`` limit.
         """
         request, engine = self.request, self.target.engine
+        limits = self.runtime.settings.downstream
         chunks: list[bytes] = []
         size = 0
-        while size <= limit and (chunk := await request.content.readany()):
+        while size <= limit and (chunk := await read_body_chunk(request.content, limits, size)):
             chunks.append(chunk)
             size += len(chunk)
         if not request.content.at_eof():
             log.warning("request %s: body over %d bytes not rewritten; the engine picks its own "
                         "request id and cannot be aborted", self.id, limit)
-            return RequestBody(request.content, limit, chunks)
+            return RequestBody(request.content, limit, chunks, limits)
         body = b"".join(chunks)
         new = engine.rewrite_body(request.method, request.path, self.id, body)
         if new is not None:
@@ -207,6 +245,25 @@ class Exchange:
         except (ValueError, AttributeError, RecursionError):
             asked = False
         return "before_first_byte" if asked else "awaiting_response"
+
+    async def _refuse_body(self, exc: DownstreamError) -> web.StreamResponse:
+        """The client's body broke a ``downstream`` limit before the engine had all of it: the
+        upstream request, if one was sent, is already closed and nothing is aborted. The client
+        gets the JSON error and its connection is closed: the rest of its body is never read."""
+        self.upstream_finished = True
+        self.phase = "request_body"
+        kind = type(exc).__name__.removeprefix("Request")
+        self.metrics.downstream_errors.labels(self.target.prefix, kind).inc()
+        log.info("request %s: %s; upstream closed, nothing to abort", self.id, exc)
+        response = error_response(exc.status, str(exc), exc.error_type, self.id)
+        response.force_close()
+        await response.prepare(self.request)
+        await response.write_eof()
+        self.status_sent, self.bytes_sent = response.status, response.body_length
+        if self.request.transport is not None:
+            # Else aiohttp reads (and drops) what is left of the body for up to 10 s first.
+            self.request.transport.close()
+        return response
 
     def _fail(self, exc: UpstreamError) -> web.Response:
         kind = type(exc).__name__.removeprefix("Upstream")

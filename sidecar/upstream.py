@@ -8,6 +8,11 @@ byte arrived is sent once more on a fresh connection if every body byte read so 
 (``replay_buffer_bytes``): the kept bytes are replayed, then the rest is relayed. The session
 never decompresses, never follows redirects, keeps no cookies and ignores proxy environment
 variables: it is a transparent hop.
+
+The request body is read from the client under the ``downstream`` limits (size, time between
+chunks); a broken limit is raised inside aiohttp's body writer, which hands it to the pending
+``session.request`` wrapped or not depending on its type: :func:`open_upstream` re-raises the
+body's own :class:`~sidecar.errors.DownstreamError` instead, before any re-send decision.
 """
 
 from __future__ import annotations
@@ -20,8 +25,11 @@ import aiohttp
 from multidict import CIMultiDict
 from yarl import URL
 
-from sidecar.config import UpstreamSettings
+from sidecar.config import DownstreamSettings, UpstreamSettings
 from sidecar.errors import (
+    DownstreamError,
+    RequestBodyTimeout,
+    RequestBodyTooLarge,
     UpstreamConnectError,
     UpstreamConnectTimeout,
     UpstreamDisconnected,
@@ -33,6 +41,10 @@ from sidecar.errors import (
 log = logging.getLogger(__name__)
 
 MAX_HEADER_BYTES = 65536
+# How much of a response the upstream session buffers (aiohttp pauses reading the engine's
+# socket at twice this): with the downstream write buffer, what one stream may hold in memory.
+READ_BUFFER_BYTES = 65536
+_NO_LIMITS = DownstreamSettings(body_timeout_s=None, max_body_bytes=0)
 
 # aiohttp adds these to every request unless told not to; a transparent hop must not.
 _SKIP_AUTO_HEADERS = ("Accept", "Accept-Encoding", "User-Agent", "Content-Type")
@@ -58,7 +70,30 @@ def make_session(settings: UpstreamSettings, *, fresh: bool = False) -> aiohttp.
         # The same header limits as the downstream side (aiohttp's default is 8190 bytes).
         max_line_size=MAX_HEADER_BYTES,
         max_field_size=MAX_HEADER_BYTES,
+        read_bufsize=READ_BUFFER_BYTES,
     )
+
+
+async def read_body_chunk(content: aiohttp.StreamReader, limits: DownstreamSettings,
+                          received: int) -> bytes:
+    """The next chunk of a request body (``b""`` at its end), ``received`` bytes having been
+    read before it. Raises :class:`RequestBodyTimeout` if the client sends nothing for
+    ``limits.body_timeout_s`` seconds, :class:`RequestBodyTooLarge` if the body grows past
+    ``limits.max_body_bytes``."""
+    timeout_s = limits.body_timeout_s
+    if timeout_s is None:
+        chunk = await content.readany()
+    else:
+        try:
+            async with asyncio.timeout(timeout_s):
+                chunk = await content.readany()
+        except TimeoutError as exc:
+            raise RequestBodyTimeout(
+                f"no request body bytes for {timeout_s:g}s after {received} bytes") from exc
+    if limits.max_body_bytes and received + len(chunk) > limits.max_body_bytes:
+        raise RequestBodyTooLarge(
+            f"request body over the limit of {limits.max_body_bytes} bytes")
+    return chunk
 
 
 class RequestBody:
@@ -66,15 +101,20 @@ class RequestBody:
 
     The copy (at most ``keep_limit`` bytes) serves the re-send after a stale connection and the
     engine adapter's id derivation. ``complete`` turns true once the last byte went upstream.
+    ``limits`` bounds reading the client (:func:`read_body_chunk`); a broken limit is kept as
+    ``failure`` and raised into aiohttp's body writer, which stops the upload.
     """
 
     def __init__(self, content: aiohttp.StreamReader | None, keep_limit: int,
-                 prefix: list[bytes] | None = None) -> None:
+                 prefix: list[bytes] | None = None,
+                 limits: DownstreamSettings | None = None) -> None:
         self._content = content
         self._kept: list[bytes] | None = list(prefix or ())
-        self._kept_bytes = sum(map(len, self._kept))
+        self._kept_bytes = self._received = sum(map(len, self._kept))
         self._keep_limit = keep_limit
+        self._limits = limits or _NO_LIMITS
         self.complete = content is None or content.at_eof()
+        self.failure: DownstreamError | None = None
 
     @classmethod
     def of(cls, body: bytes) -> RequestBody:
@@ -114,7 +154,15 @@ class RequestBody:
     async def _relay(self, content: aiohttp.StreamReader) -> AsyncIterator[bytes]:
         for chunk in list(self._kept or ()):  # a re-send: what the failed attempt already read
             yield chunk
-        while chunk := await content.readany():
+        while True:
+            try:
+                chunk = await read_body_chunk(content, self._limits, self._received)
+            except DownstreamError as exc:
+                self.failure = exc
+                raise
+            if not chunk:
+                break
+            self._received += len(chunk)
             if self._kept is not None:
                 self._kept_bytes += len(chunk)
                 if self._kept_bytes <= self._keep_limit:
@@ -139,18 +187,19 @@ async def open_upstream(
     ``sessions`` is (pooled, fresh). Raises :class:`UpstreamConnectError`,
     :class:`UpstreamConnectTimeout`, :class:`UpstreamFirstByteTimeout`,
     :class:`UpstreamProtocolError` (headers that do not parse) or :class:`UpstreamDisconnected`
-    (closed or reset before complete headers, after the one re-send). Cancellation propagates
-    untouched; aiohttp then closes the half-used connection itself.
+    (closed or reset before complete headers, after the one re-send);
+    :class:`~sidecar.errors.RequestBodyTooLarge` or :class:`~sidecar.errors.RequestBodyTimeout`
+    if the client's body broke a limit first (never re-sent). Cancellation propagates untouched;
+    aiohttp then closes the half-used connection itself.
     """
     pooled, fresh = sessions
     session = pooled
     while True:
         try:
             async with asyncio.timeout(settings.first_byte_timeout_s):
-                return await session.request(
-                    method, url, headers=headers, data=body.payload(),
-                    allow_redirects=False, compress=None,
-                )
+                return await _send(session, method, url, headers, body)
+        except DownstreamError:
+            raise
         except aiohttp.ConnectionTimeoutError as exc:
             raise UpstreamConnectTimeout(
                 f"no connection to {url.origin()} within {settings.connect_timeout_s}s") from exc
@@ -222,6 +271,22 @@ class ReadDeadline:
 
 
 _CLOCK_RESOLUTION_S = 0.001  # uvloop's clock and timers count milliseconds
+
+
+async def _send(session: aiohttp.ClientSession, method: str, url: URL,
+                headers: CIMultiDict[str], body: RequestBody) -> aiohttp.ClientResponse:
+    """One attempt. aiohttp's body writer hands an exception from the body iterator to the
+    response reader: an ``OSError`` (our :class:`RequestBodyTimeout` is a ``TimeoutError``) as
+    is, anything else wrapped in ``ClientConnectionError`` (``client_reqrep.write_bytes``); it
+    then closes the connection. Either way the body's own failure is what is raised."""
+    try:
+        return await session.request(method, url, headers=headers, data=body.payload(),
+                                     allow_redirects=False, compress=None)
+    except (aiohttp.ClientError, OSError) as exc:
+        failure = body.failure
+        if failure is None or isinstance(exc, DownstreamError):
+            raise
+        raise failure from failure.__cause__  # not from exc: its cause is the failure itself
 
 
 def origin_form(raw_target: str, rel_path_qs: str) -> str | None:

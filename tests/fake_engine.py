@@ -1,10 +1,10 @@
 """A scriptable fake engine on 127.0.0.1 for precise fault injection.
 
 It speaks enough of vLLM's HTTP surface for the sidecar: ``/v1/chat/completions``,
-``/v1/completions`` and ``/inference/v1/generate`` (SSE when the body says ``"stream": true``,
-else one JSON document), the abort endpoint ``/inference/v1/abort_requests``, ``/health``, and
-``/echo`` (answers with what it received). Behaviour per request comes from query parameters,
-which the sidecar forwards untouched:
+``/v1/completions``, ``/inference/v1/generate`` and ``/v1/responses`` (SSE when the body says
+``"stream": true``, else one JSON document), the abort endpoint ``/inference/v1/abort_requests``,
+``/health``, and ``/echo`` (answers with what it received). Behaviour per request comes from
+query parameters, which the sidecar forwards untouched:
 
 - ``tokens`` (int, default 20) and ``interval`` (seconds between SSE events, default 0.01)
 - ``first_byte_delay`` (seconds before the response headers)
@@ -104,7 +104,8 @@ class FakeEngine:
     def __init__(self) -> None:
         self.record = EngineRecord()
         self.app = web.Application()
-        for path in ("/v1/chat/completions", "/v1/completions", "/inference/v1/generate"):
+        for path in ("/v1/chat/completions", "/v1/completions", "/inference/v1/generate",
+                     "/v1/responses"):
             self.app.router.add_post(path, self.generate)
         self.app.router.add_post(ABORT_PATH, self.abort)
         self.app.router.add_get("/health", self.health)
@@ -113,6 +114,7 @@ class FakeEngine:
         self.app.router.add_get("/v1/models", self.models)
         self._add_proxy_test_routes()
         self._add_cancel_test_routes()
+        self._add_slow_client_routes()
         self.runner: web.AppRunner | None = None
         self.port = 0
 
@@ -328,6 +330,63 @@ class FakeEngine:
         self.record.abort_event.set()
         await asyncio.Event().wait()
         raise AssertionError("unreachable")
+
+
+    # Routes for tests/faults/test_slow_clients.py: a stream as fast as the connection takes it.
+
+    def _add_slow_client_routes(self) -> None:
+        self.flood = Flood()
+        self.app.router.add_get("/flood", self.flood_)
+
+    async def flood_(self, request: web.Request) -> web.StreamResponse:
+        """``size`` bytes (default 256 MiB, rounded down to whole events) of SSE in
+        :func:`flood_event` events, written as fast as the connection takes them, then
+        ``data: [DONE]``. ``self.flood.written`` counts the bytes handed on by each awaited
+        write (aiohttp's write waits while the socket's send buffer is full)."""
+        flood = self.flood
+        events = int(request.query.get("size", str(256 * 1024 * 1024))) // FLOOD_EVENT_BYTES
+        response = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+        try:
+            await response.prepare(request)
+            for i in range(events):
+                await response.write(flood_event(i))
+                flood.written += FLOOD_EVENT_BYTES
+            await response.write(_sse("[DONE]"))
+            flood.written += len(_sse("[DONE]"))
+            await response.write_eof()
+        except (asyncio.CancelledError, ConnectionResetError):
+            flood.closed = True
+            raise
+        flood.finished = True
+        return response
+
+
+FLOOD_EVENT_BYTES = 65536
+
+
+@dataclass
+class Flood:
+    """What ``/flood`` has written so far (bytes), and how it ended."""
+
+    written: int = 0
+    finished: bool = False
+    closed: bool = False  # the connection went away before the end
+
+
+def flood_event(i: int) -> bytes:
+    """Event ``i`` of ``/flood``: ``data: <i> ppp...\n\n``, :data:`FLOOD_EVENT_BYTES` long."""
+    head = b"data: %08d " % i
+    return head + b"p" * (FLOOD_EVENT_BYTES - len(head) - 2) + b"\n\n"
+
+
+def flood_sha256(size: int) -> tuple[int, str]:
+    """(length, SHA-256) of the whole ``/flood?size=size`` body, ``[DONE]`` included."""
+    digest = hashlib.sha256()
+    events = size // FLOOD_EVENT_BYTES
+    for i in range(events):
+        digest.update(flood_event(i))
+    digest.update(_sse("[DONE]"))
+    return events * FLOOD_EVENT_BYTES + len(_sse("[DONE]")), digest.hexdigest()
 
 
 def gzip_body() -> bytes:

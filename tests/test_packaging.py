@@ -8,8 +8,9 @@ import subprocess
 from pathlib import Path
 
 import pytest
+import yaml
 
-from sidecar.config import load_config
+from sidecar.config import DownstreamSettings, load_config
 
 ROOT = Path(__file__).resolve().parent.parent
 DOCKERFILE = (ROOT / "Dockerfile").read_text()
@@ -20,6 +21,18 @@ def test_default_config_validates() -> None:
     engine = settings.engines["local"]
     assert str(engine.url).rstrip("/") == "http://127.0.0.1:8000", engine.url
     assert (settings.listen.port, settings.admin and settings.admin.port) == (8080, 9090)
+
+
+def test_default_config_documents_the_downstream_defaults() -> None:
+    """The commented ``downstream:`` block, uncommented, is exactly the defaults."""
+    text = (ROOT / "config" / "sidecar.yaml").read_text()
+    block = re.search(r"^# downstream:\n(?:#   .*\n)+", text, re.M)
+    assert block, "config/sidecar.yaml should show a commented downstream: block"
+    uncommented = re.sub(r"^# ?", "", block.group(0), flags=re.M)
+    documented = yaml.safe_load(uncommented)["downstream"]
+    assert set(documented) == set(DownstreamSettings.model_fields), documented
+    assert DownstreamSettings(**documented) == DownstreamSettings(), (
+        f"the documented downstream values {documented} are not the defaults")
 
 
 def test_dockerfile_runs_non_root_with_a_healthcheck_on_the_admin_port() -> None:

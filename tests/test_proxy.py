@@ -124,7 +124,10 @@ async def test_head_has_no_body_and_keeps_the_connection_usable(
 
 # --- Request bodies stream through -------------------------------------------------------------
 
-async def test_five_mib_body_goes_through_uncapped(engine: FakeEngine, sidecar: Servers) -> None:
+async def test_five_mib_body_goes_through_under_the_default_limit(engine: FakeEngine,
+                                                                  sidecar: Servers) -> None:
+    """Streamed, not buffered whole; ``downstream.max_body_bytes`` (64 MiB) is far above it.
+    The limit itself: ``tests/faults/test_request_bodies.py``."""
     body = os.urandom(5 * 1024 * 1024)
     async with asyncio.timeout(GUARD_S * 2), aiohttp.ClientSession() as session:
         async with session.post(proxy_url(sidecar, "/sink"), data=io.BytesIO(body)) as resp:
