@@ -22,7 +22,9 @@ from collections.abc import Callable
 from typing import Any
 
 import pytest
+from aiohttp import web
 
+from sidecar.downstream import DownstreamRunner
 from sidecar.logs import ACCESS_LOGGER
 from sidecar.server import Servers
 from tests import rawhttp
@@ -329,3 +331,41 @@ async def test_disconnect_with_an_odd_body_aborts_exactly_the_default_ids(
     assert [(a["phase"], a["client_disconnected"], a["abort"]) for a in access] == [
         (ODD_BODY_PHASE[name], True, "ok")], access
     assert not [r for r in caplog.records if r.levelno >= logging.ERROR], caplog.text
+
+
+# -- the sidecar's own failures ----------------------------------------------------------------
+
+@pytest.mark.parametrize(("raised", "status", "error_type"), [
+    (RuntimeError(f"boom {CLIENT_SECRET}"), 500, "internal_error"),
+    (TimeoutError(), 504, "timeout"),
+])
+async def test_handler_exception_is_a_json_error_without_traceback(
+        raised: Exception, status: int, error_type: str,
+        caplog: pytest.LogCaptureFixture) -> None:
+    """No client input makes the proxy handler raise (that would be a bug), so this serves an
+    app whose handler does through :class:`sidecar.downstream.DownstreamRunner`, as
+    ``sidecar.server.start`` serves the proxy: JSON body, no traceback or exception text in it,
+    the traceback in the log at ERROR (a bug must be visible), the connection closed."""
+    async def failing(request: web.Request) -> web.StreamResponse:
+        raise raised
+
+    app = web.Application()
+    app.router.add_route("*", "/{path:.*}", failing)
+    runner = DownstreamRunner(app, handler_cancellation=True, access_log=None)
+    await runner.setup()
+    try:
+        site = web.TCPSite(runner, "127.0.0.1", 0)
+        await site.start()
+        port = int(runner.addresses[0][1])
+        async with asyncio.timeout(GUARD_S):
+            response, wire, after = await _send_and_read(
+                port, rawhttp.request_bytes("GET", "/x", [("Accept", "text/html")]))
+    finally:
+        await runner.cleanup()
+    assert response.status == status and after == b"", (response.status, response.body, after)
+    assert (response.get("Connection") or "").lower() == "close", response.headers
+    assert _error_body(response)["type"] == error_type, response.body
+    assert b"Traceback" not in wire and CLIENT_SECRET.encode() not in wire, wire
+    errors = [r for r in caplog.records if r.name == "sidecar.downstream"]
+    assert [r.levelno for r in errors] == [logging.ERROR], caplog.text
+    assert (errors[0].exc_info is not None) == (status == 500), "traceback logged for a bug only"
