@@ -93,9 +93,13 @@ def make_app(settings: Settings, registry: CollectorRegistry) -> web.Application
 
     ``client_max_size`` only limits ``request.read()``, which the proxy never calls: bodies
     stream through, bounded by ``downstream.max_body_bytes`` (:mod:`sidecar.upstream`).
+    ``auto_decompress=False``: aiohttp's server would otherwise inflate a request body sent with
+    ``Content-Encoding: gzip``/``deflate``/``br`` and the engine would get the inflated bytes
+    still labelled compressed.
     """
     app = web.Application(handler_args={"max_field_size": MAX_HEADER_BYTES,
-                                        "max_line_size": MAX_HEADER_BYTES},
+                                        "max_line_size": MAX_HEADER_BYTES,
+                                        "auto_decompress": False},
                           middlewares=[_json_errors])
     app[SETTINGS] = settings
     app[REGISTRY] = registry

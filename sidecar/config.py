@@ -16,7 +16,8 @@ Shape (see ``config/sidecar.yaml`` for the commented reference)::
     lifecycle: {grace_period_s}                  how long a stop waits for in-flight requests
 
 A running sidecar re-reads the file on SIGHUP (see :mod:`sidecar.runtime`): engines, routes,
-upstream and lifecycle apply to new requests; listen, admin and log_level need a restart.
+upstream, downstream (but ``downstream.idle_timeout_s``) and lifecycle apply to new requests;
+listen, admin, log_level, log_format and ``downstream.idle_timeout_s`` need a restart.
 """
 
 from __future__ import annotations
@@ -136,7 +137,11 @@ class DownstreamSettings(_Model):
     """Limits on the downstream (client) side. Streams never have a total timeout.
 
     ``idle_timeout_s``: a client connection with no request in progress (idle keep-alive, or a
-    request head not yet complete: a silent client) is closed after this many seconds.
+    request head not yet complete: a silent client) is closed after this many seconds, counted
+    from its accept or from the end of its last response; bytes trickling in do not extend it,
+    and a request being handled (a stream of any length) is never cut by it. It is aiohttp's
+    ``keepalive_timeout`` (default 3630 s) on the proxy and admin listeners
+    (:mod:`sidecar.server`), so a change needs a restart; the other keys apply on reload.
     ``body_timeout_s``: longest wait for the next chunk of a request body, seconds; then the
     client gets 408 and the upstream request is closed (no abort: the engine never had all of
     it); null for no limit. ``max_body_bytes``: larger request bodies get 413; 0 for no limit.

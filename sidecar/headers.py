@@ -80,3 +80,16 @@ def _append(headers: CIMultiDict[str], name: str, value: str) -> None:
         headers[name] = ", ".join([*existing, value])
     else:
         headers[name] = value
+
+
+def unsupported_transfer_coding(headers: CIMultiDictProxy[str]) -> bool:
+    """True if a request's ``Transfer-Encoding`` names a coding other than ``chunked``.
+
+    aiohttp 3.14's parser refuses (400) one that does not end in ``chunked`` but accepts, for
+    instance, ``gzip, chunked``: it removes the chunked framing and never decodes the gzip, so
+    the engine would get gzip bytes labelled as nothing (the field is hop-by-hop). RFC 9112
+    section 6.1: a server SHOULD answer 501 to a transfer coding it does not understand.
+    """
+    return any(coding.strip().lower() != "chunked"
+               for value in headers.getall("Transfer-Encoding", ())
+               for coding in value.split(","))

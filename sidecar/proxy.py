@@ -37,7 +37,11 @@ from sidecar.errors import (
     UpstreamError,
     UpstreamReadTimeout,
 )
-from sidecar.headers import downstream_response_headers, upstream_request_headers
+from sidecar.headers import (
+    downstream_response_headers,
+    unsupported_transfer_coding,
+    upstream_request_headers,
+)
 from sidecar.keys import ABORTER, METRICS
 from sidecar.logs import RequestLog
 from sidecar.metrics import Metrics
@@ -337,6 +341,11 @@ async def handle(request: web.Request, runtime: Runtime) -> web.StreamResponse:
         # Only the sidecar aborts: a client must not abort other clients' requests.
         return _refuse(request, 403, "the engine's abort endpoint is not exposed to clients",
                        "forbidden")
+    if unsupported_transfer_coding(request.headers):
+        refusal = _refuse(request, 501, "only the chunked transfer coding is supported",
+                          "not_implemented")
+        refusal.force_close()  # the body is left unread
+        return refusal
     metrics = request.app[METRICS]
     exchange = Exchange(request, runtime, target, request.app[ABORTER], metrics, target_path)
     in_flight = metrics.in_flight.labels(target.prefix)

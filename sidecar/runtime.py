@@ -31,8 +31,13 @@ from sidecar.upstream import make_session
 log = logging.getLogger(__name__)
 
 # Sections a running process applies on reload, and those only a restart applies.
-RELOADABLE = ("engines", "routes", "upstream", "lifecycle")
+RELOADABLE = ("engines", "routes", "upstream", "downstream", "lifecycle")
 NEEDS_RESTART = ("listen", "admin", "log_level", "log_format")
+# Keys of a reloadable section that only a restart applies: ``downstream.idle_timeout_s`` is
+# each listener's aiohttp ``keepalive_timeout``, fixed when the listener starts
+# (``sidecar.server.start``); the other ``downstream`` keys are read per request from the
+# generation it runs on.
+RESTART_KEYS: dict[str, tuple[str, ...]] = {"downstream": ("idle_timeout_s",)}
 
 CANCEL_WAIT_S = 5.0  # after the grace period: how long cancelled handlers may take to unwind
 
@@ -138,8 +143,9 @@ class Runtimes:
 
 def describe_changes(old: Settings, new: Settings) -> tuple[list[str], list[str]]:
     """What differs between two configs: (changes applied on reload, changes that need a
-    restart), each a list of human-readable lines naming the dotted key. Secrets are compared,
-    never shown."""
+    restart), each a list of human-readable lines naming the dotted key. Sections in
+    ``RELOADABLE`` apply but for their ``RESTART_KEYS``; ``NEEDS_RESTART`` sections and those
+    keys need a restart. Secrets are compared, never shown."""
     applied: list[str] = []
     ignored: list[str] = []
     for section in (*RELOADABLE, *NEEDS_RESTART):
@@ -159,7 +165,12 @@ def describe_changes(old: Settings, new: Settings) -> tuple[list[str], list[str]
         elif section == "routes":
             target.append("routes: " + _routes(before) + " -> " + _routes(after))
         elif hasattr(before, "model_dump") and hasattr(after, "model_dump"):
-            target.extend(_field_changes(section, before.model_dump(), after.model_dump()))
+            old_fields, new_fields = before.model_dump(), after.model_dump()
+            for key in RESTART_KEYS.get(section, ()):
+                a, b = old_fields.pop(key), new_fields.pop(key)
+                if a != b:
+                    ignored.append(f"{section}.{key}: {a!s} -> {b!s}")
+            target.extend(_field_changes(section, old_fields, new_fields))
         else:
             target.append(f"{section}: {before!r} -> {after!r}")
     return applied, ignored

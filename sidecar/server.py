@@ -4,6 +4,17 @@ The one setting that matters most: ``handler_cancellation=True``. aiohttp's prod
 is ``False`` (its test server turns it on), and without it a lost client connection never
 reaches the handler, so the sidecar would never notice a disconnect.
 
+Silent clients: ``downstream.idle_timeout_s`` is aiohttp's ``keepalive_timeout`` on both
+listeners (aiohttp's default: 3630 s). aiohttp 3.14 arms that timer when a connection is
+accepted and again after each response (``RequestHandler.connection_made`` and ``start`` in
+``aiohttp/web_protocol.py``) and, when it fires, closes the connection if no request is in
+progress: a client that connects and sends nothing, or sends a request head that never
+completes (however slowly it trickles in), or idles between requests, is closed after that many
+seconds. A request being handled (a long stream included) is never cut by it.
+
+The proxy listener answers what aiohttp itself refuses (unparseable requests, handler errors)
+with JSON errors: :mod:`sidecar.downstream`.
+
 Stopping (:meth:`Servers.stop`) does aiohttp's ``AppRunner.cleanup()`` in steps of its own,
 because aiohttp 3.14's ``RequestHandler.shutdown(timeout)`` waits for a busy handler twice (for
 it to finish, then again after failing its request body), so a streaming straggler would hold
@@ -24,6 +35,7 @@ from prometheus_client import CollectorRegistry
 
 from sidecar.app import make_admin_app, make_app
 from sidecar.config import Settings
+from sidecar.downstream import DownstreamRunner
 from sidecar.keys import RUNTIME
 
 log = logging.getLogger(__name__)
@@ -90,8 +102,9 @@ async def start(settings: Settings, registry: CollectorRegistry | None = None, *
     """
     registry = registry or CollectorRegistry()
     app = make_app(settings, registry)
-    proxy = web.AppRunner(app, handler_cancellation=True, access_log=None,
-                          shutdown_timeout=SHUTDOWN_TIMEOUT_S)
+    idle_s = settings.downstream.idle_timeout_s
+    proxy = DownstreamRunner(app, handler_cancellation=True, access_log=None,
+                             shutdown_timeout=SHUTDOWN_TIMEOUT_S, keepalive_timeout=idle_s)
     await proxy.setup()
     await web.TCPSite(proxy, settings.listen.host,
                       settings.listen.port if port is None else port,
@@ -101,7 +114,7 @@ async def start(settings: Settings, registry: CollectorRegistry | None = None, *
     admin_port = None
     if admin and settings.admin is not None:
         admin_runner = web.AppRunner(make_admin_app(app[RUNTIME], registry), access_log=None,
-                                     shutdown_timeout=1.0)
+                                     shutdown_timeout=1.0, keepalive_timeout=idle_s)
         await admin_runner.setup()
         await web.TCPSite(admin_runner, settings.admin.host, settings.admin.port).start()
         admin_port = _bound_port(admin_runner)

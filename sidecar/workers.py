@@ -163,7 +163,8 @@ class Supervisor:
         multiprocess.MultiProcessCollector(  # type: ignore[no-untyped-call]
             registry, path=str(self.metrics_dir))
         runner = web.AppRunner(make_admin_app(runtimes, registry), access_log=None,
-                               shutdown_timeout=1.0)
+                               shutdown_timeout=1.0,
+                               keepalive_timeout=self.settings.downstream.idle_timeout_s)
         await runner.setup()
         await web.TCPSite(runner, self.settings.admin.host, self.settings.admin.port).start()
         return runner, int(runner.addresses[0][1])

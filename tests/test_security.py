@@ -9,6 +9,7 @@ from typing import Any
 
 import pytest
 
+from sidecar.config import Settings
 from sidecar.server import Servers
 from tests.conftest import sidecar_settings
 from tests.fake_engine import FakeEngine
@@ -88,3 +89,61 @@ async def test_large_response_header_passes_through(start_sidecar: Any) -> None:
     finally:
         await upstream.stop()
     assert (status, body) == (200, b"ok"), f"expected the engine's 200 'ok', got {status} {body!r}"
+
+
+async def test_listeners_default_to_loopback_only(engine: FakeEngine,
+                                                   start_sidecar: Any) -> None:
+    """A config naming no hosts listens on 127.0.0.1 only, the admin listener included."""
+    settings = Settings.model_validate({
+        "listen": {"port": 0}, "admin": {"port": 0},
+        "engines": {"local": {"kind": "vllm", "url": engine.url}},
+        "routes": [{"prefix": "/", "engine": "local"}]})
+    assert Settings.model_fields["admin"].default.host == "127.0.0.1", "admin default host"
+    assert Settings.model_fields["listen"].default.host == "127.0.0.1", "listen default host"
+    servers: Servers = await start_sidecar(settings)
+    assert servers.admin is not None
+    for name, runner in (("admin", servers.admin), ("proxy", servers.proxy)):
+        hosts = [address[0] for address in runner.addresses]
+        assert hosts == ["127.0.0.1"], f"expected {name} on 127.0.0.1 only, got {hosts}"
+
+
+async def _raw_whole(port: int, request: bytes) -> bytes:
+    """Everything the listener sends back for ``request`` until it closes the connection."""
+    reader, writer = await asyncio.open_connection("127.0.0.1", port)
+    try:
+        writer.write(request)
+        await writer.drain()
+        async with asyncio.timeout(10):
+            return await reader.read(-1)
+    finally:
+        writer.close()
+        await writer.wait_closed()
+
+
+async def test_engine_api_key_never_reaches_a_client(engine: FakeEngine,
+                                                     sidecar: Servers) -> None:
+    """The abort key (``sekret-key`` in tests/conftest.py) in no header or body of any answer:
+    proxied, refused by the proxy, refused by aiohttp's parser, or from the admin listener
+    (``/readyz`` makes a real abort call with the key)."""
+    close = "Host: x\r\nConnection: close\r\n\r\n"
+    body = b'{"request_ids": ["x"]}'
+    proxy_requests = [
+        f"GET /echo/key HTTP/1.1\r\n{close}".encode(),                        # proxied
+        f"POST /inference/v1/abort_requests HTTP/1.1\r\nContent-Length: {len(body)}\r\n"
+        f"{close}".encode() + body,                                            # 403
+        f"OPTIONS * HTTP/1.1\r\n{close}".encode(),                             # 404
+        b"GET /echo HTTP/1.1\r\nBad Header\r\n\r\n",                           # 400 (parser)
+        f"POST /echo HTTP/1.1\r\nTransfer-Encoding: gzip, chunked\r\n{close}0\r\n\r\n"
+        .encode(),                                                             # 501
+    ]
+    answers = [await _raw_whole(sidecar.proxy_port, raw) for raw in proxy_requests]
+    assert sidecar.admin_port is not None
+    for path in ("/healthz", "/readyz", "/metrics"):
+        answers.append(await _raw_whole(sidecar.admin_port,
+                                        f"GET {path} HTTP/1.1\r\n{close}".encode()))
+    statuses = [int(answer.split(b" ", 2)[1]) for answer in answers]
+    assert statuses == [200, 403, 404, 400, 501, 200, 200, 200], statuses
+    assert engine.record.aborts and engine.record.aborts[-1].authorization == "Bearer sekret-key", (
+        "expected /readyz to have made an abort call carrying the key")
+    for raw, answer in zip(proxy_requests + [b"admin"] * 3, answers, strict=True):
+        assert b"sekret-key" not in answer, f"the key reached a client answering {raw[:40]!r}"

@@ -15,7 +15,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from engine.vllm import VLLMAdapter, count_prompts
+from engine.vllm import ROUTES, VLLMAdapter, count_prompts
 from sidecar.config import EngineSettings
 
 SID = "0123456789abcdef0123456789abcdef"
@@ -194,3 +194,45 @@ def test_count_prompts_is_at_least_one(body: Any) -> None:
 def test_non_post_generates_nothing(method: str, path: str, body: bytes | None) -> None:
     got = ADAPTER.engine_request_ids(method, path, SID, body)
     assert got == (), f"{method} {path}: expected (), got {got}"
+
+
+# -- every route, any bytes ---------------------------------------------------------------------
+
+# Bodies a client may send that json.loads meets badly: a UTF-8 BOM, nesting past the recursion
+# limit, integers past Python's 4300-digit conversion limit, invalid UTF-8.
+hostile_bodies = (
+    json_values.map(lambda v: b"\xef\xbb\xbf" + json.dumps(v).encode())
+    | st.integers(1, 200_000).map(lambda n: b"[" * n)
+    | st.integers(1, 200_000).map(lambda n: b'{"prompt": ' + b"[" * n)
+    | st.integers(4301, 20_000).map(lambda n: b'{"prompt": "a", "n": ' + b"9" * n + b"}")
+    | st.binary(min_size=1, max_size=64).map(lambda b: b'{"prompt": "' + b + b'"}')
+)
+
+
+def _expected_shape(path: str, sid: str, got: tuple[str, ...]) -> tuple[str, ...]:
+    """The ids ``path`` must give for ``got``'s length (engine/vllm.py's table)."""
+    numbered = {"/v1/chat/completions/batch": f"chatcmpl-{sid}_{{}}",
+                "/v1/completions": f"cmpl-{sid}-{{}}"}
+    single = {"/v1/chat/completions": f"chatcmpl-{sid}", "/v1/messages": f"chatcmpl-{sid}",
+              "/v1/responses": f"resp_{sid}_0", "/inference/v1/generate": f"generate-tokens-{sid}"}
+    if path in single:
+        return (single[path],)
+    if path == "/invocations":  # as chat, as completions, or nothing when the body says neither
+        if got == (f"chatcmpl-{sid}",) or not got:
+            return got
+        return tuple(f"cmpl-{sid}-{i}" for i in range(len(got)))
+    return tuple(numbered[path].format(i) for i in range(max(len(got), 1)))
+
+
+@settings(max_examples=400)
+@given(path=st.sampled_from(sorted(ROUTES)), sid=sidecar_ids,
+       body=bodies | hostile_bodies)
+def test_every_route_derives_ids_from_any_body_without_raising(
+        path: str, sid: str, body: bytes | None) -> None:
+    got = ADAPTER.engine_request_ids("POST", path, sid, body)
+    assert isinstance(got, tuple) and len(set(got)) == len(got), f"{path}: {got!r}"
+    assert got or path == "/invocations", f"{path}: expected at least one id, got none"
+    assert got == _expected_shape(path, sid, got), (
+        f"{path} with body {body!r:.80}: ids {got} do not follow the route's format")
+    if got:
+        assert ADAPTER.abort_calls(got)[0].json == {"request_ids": list(got)}

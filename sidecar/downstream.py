@@ -1,0 +1,158 @@
+"""The downstream (client-facing) HTTP server: aiohttp's own, answering what it refuses in JSON.
+
+Why this module exists: aiohttp answers a request it cannot parse (malformed request line or
+header, a line over ``max_line_size``/``max_field_size``, ``Content-Length`` with
+``Transfer-Encoding``, a bad chunk size, TLS or HTTP/2 bytes on the plain port, ...) before any
+handler or middleware runs, from ``RequestHandler.handle_error`` (``aiohttp/web_protocol.py``):
+a ``text/plain`` body quoting the offending request bytes, and an ERROR record with a traceback
+in the log for each. An exception escaping the proxy's handler takes the same path (500), and a
+``TimeoutError`` escaping it gives 504. A proxy whose every other answer is an OpenAI-style JSON
+error should not switch format for these, nor echo request bytes (which may hold a key), nor log
+a client's malformed bytes as a sidecar bug.
+
+How: :class:`DownstreamHandler` overrides the public ``RequestHandler.handle_error``;
+:class:`DownstreamServer` is a ``web.Server`` whose ``__call__`` (the protocol factory asyncio
+calls once per accepted connection, ``aiohttp/web_server.py``) builds one;
+:class:`DownstreamRunner` is a ``web.AppRunner`` whose ``_make_server`` (the hook
+``BaseRunner`` leaves to its subclasses, ``aiohttp/web_runner.py``) lets ``AppRunner`` start the
+app as usual, then serves it through a :class:`DownstreamServer` built with the very same
+arguments. Everything else (parsing, keep-alive, handler cancellation, shutdown) is aiohttp's.
+
+Statuses. aiohttp's parser gives every parse error status 400 (``aiohttp/http_exceptions.py``;
+the C parser maps llhttp's errors in ``_http_parser.pyx`` ``parser_error_from_errno``). Kept as
+400, except where a more precise status exists and aiohttp's exception tells it apart:
+
+- 431 for ``LineTooLong`` and "Too many headers received": a request line, header name or value
+  over its limit, or more than ``max_headers`` (128) fields. aiohttp raises the same
+  ``LineTooLong`` for a long request line and for a long header field, so a long target gets
+  431 rather than 414 (as Go's net/http and Node.js answer an oversized head).
+- 505 for a request line whose version is not HTTP/1.x (``HTTP/3.0``; the HTTP/2
+  prior-knowledge preface ``PRI * HTTP/2.0``).
+- 500 ``internal_error`` for an exception in the proxy's handler (logged at ERROR with its
+  traceback: that is a sidecar bug), 504 for a ``TimeoutError`` escaping it.
+
+Every such answer closes the connection (``Connection: close``): after a parse error the
+framing of whatever follows is unknown. A parse error is logged as one WARNING line naming the
+client address and aiohttp's reason, never the request bytes.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from http import HTTPStatus
+from typing import Any
+
+from aiohttp import web
+from aiohttp.http_exceptions import (
+    BadHttpMessage,
+    BadHttpMethod,
+    BadStatusLine,
+    HttpProcessingError,
+    InvalidHeader,
+    InvalidURLError,
+    LineTooLong,
+)
+from aiohttp.web_protocol import RequestHandler
+from aiohttp.web_request import BaseRequest
+
+from sidecar.proxy import error_response
+
+log = logging.getLogger(__name__)
+
+# What aiohttp's parse errors say without the request bytes, for the subclasses whose message
+# quotes them (the C parser's messages quote them after a ":\n"; see _reason).
+_FIXED_REASONS: dict[type[HttpProcessingError], str] = {
+    InvalidHeader: "Invalid header field",
+    BadHttpMethod: "Invalid method",
+    BadStatusLine: "Malformed request line",
+    InvalidURLError: "Invalid request target",
+}
+_TLS_ON_PLAIN_PORT = "Received HTTPS traffic on an HTTP port"  # BadHttpMethod's own text
+
+
+def parse_error_status(exc: HttpProcessingError) -> int:
+    """The status for one of aiohttp's request parse errors: 431, 505 or 400 (module docstring).
+
+    Reads the exception class and llhttp's reason text as aiohttp 3.14 words them; anything not
+    recognised keeps aiohttp's 400.
+    """
+    if isinstance(exc, LineTooLong) or exc.message == "Too many headers received":
+        return HTTPStatus.REQUEST_HEADER_FIELDS_TOO_LARGE
+    if "Invalid HTTP version" in exc.message or exc.message.startswith("Pause on PRI/Upgrade"):
+        return HTTPStatus.HTTP_VERSION_NOT_SUPPORTED
+    return HTTPStatus.BAD_REQUEST
+
+
+def parse_error_reason(exc: HttpProcessingError) -> str:
+    """aiohttp's reason for a parse error without any request bytes, e.g. ``Invalid character
+    in Content-Length``: safe to log and to send back."""
+    if isinstance(exc, LineTooLong):
+        return f"A request line or header field is longer than {exc.args[1]} bytes"
+    if parse_error_status(exc) == HTTPStatus.HTTP_VERSION_NOT_SUPPORTED:
+        return "Only HTTP/1.0 and HTTP/1.1 are served on this port"
+    text = exc.message
+    if ":\n" in text:
+        # llhttp's shape: "reason:\n[  reason:\n]\n  b'<request bytes>'\n  ^"; the bytes are a
+        # repr, so no ":\n" inside them: every part but the last is reason.
+        return ": ".join(part.strip() for part in text.split(":\n")[:-1])
+    if type(exc) is BadHttpMessage or text == _TLS_ON_PLAIN_PORT:
+        return text  # fixed texts ("Too many headers received", "Duplicate 'Host' header ...")
+    return next((reason for cls, reason in _FIXED_REASONS.items() if isinstance(exc, cls)),
+                "Malformed request")
+
+
+class DownstreamHandler(RequestHandler):
+    """aiohttp's per-connection protocol with JSON error answers (module docstring)."""
+
+    __slots__ = ()
+
+    def handle_error(self, request: BaseRequest, status: int = 500,
+                     exc: BaseException | None = None,
+                     message: str | None = None) -> web.StreamResponse:
+        """The response for a request aiohttp could not parse (``exc`` is its
+        ``HttpProcessingError``) or whose handler raised (``status`` 500, or 504 for a
+        ``TimeoutError``): an OpenAI-style JSON error that closes the connection.
+
+        Raises ``ConnectionError`` if part of a response was already sent, as aiohttp does:
+        aiohttp then drops the connection.
+        """
+        if isinstance(exc, HttpProcessingError):
+            status = parse_error_status(exc)
+            reason = parse_error_reason(exc)
+            log.warning("refused a malformed request from %s with %d: %s", request.remote,
+                        status, reason)
+            error_type = "invalid_request"
+        elif status == HTTPStatus.GATEWAY_TIMEOUT:
+            log.error("request %s %s: handler timed out", request.method, request.path)
+            reason, error_type = "The request timed out in the sidecar", "timeout"
+        else:
+            log.error("request %s %s: unexpected error in the handler", request.method,
+                      request.path, exc_info=exc)
+            status = HTTPStatus.INTERNAL_SERVER_ERROR
+            reason, error_type = "Internal error in the sidecar", "internal_error"
+        if request.writer.output_size > 0:
+            raise ConnectionError("a response was already started; cannot send an error")
+        response = error_response(status, reason, error_type)
+        response.headers["Connection"] = "close"
+        response.force_close()
+        return response
+
+
+class DownstreamServer(web.Server):
+    """``web.Server`` whose connections are :class:`DownstreamHandler`."""
+
+    def __call__(self) -> RequestHandler:
+        return DownstreamHandler(self, loop=self._loop, **self._kwargs)
+
+
+class DownstreamRunner(web.AppRunner):
+    """``web.AppRunner`` serving its app through a :class:`DownstreamServer`; takes the same
+    arguments (``keepalive_timeout``, ``handler_cancellation``, ...)."""
+
+    async def _make_server(self) -> web.Server:
+        plain = await super()._make_server()  # starts the app, merges the app's handler_args
+        kwargs: dict[str, Any] = dict(plain._kwargs)
+        return DownstreamServer(plain.request_handler, request_factory=plain.request_factory,
+                                handler_cancellation=plain.handler_cancellation,
+                                loop=asyncio.get_running_loop(), **kwargs)
