@@ -105,8 +105,31 @@ def make_app(settings: Settings, registry: CollectorRegistry) -> web.Application
     app[REGISTRY] = registry
     app[METRICS] = Metrics(registry)
     app.cleanup_ctx.append(_engines_ctx)
-    app.router.add_route("*", "/{path:.*}", _proxy)
+    app.router.add_route("*", "/{path:.*}", _proxy, expect_handler=_expect)
     return app
+
+
+async def _expect(request: web.Request) -> web.StreamResponse | None:
+    """Answer ``Expect`` before the body is read: invite the body only if it will be accepted.
+
+    A ``Content-Length`` over ``downstream.max_body_bytes`` gets no ``100 Continue``: the proxy
+    handler then answers 413 at once and the client never sends the body (RFC 9110 section 10.1.1
+    lets a server answer with a final status instead). Otherwise as aiohttp's default expect
+    handler (``web_urldispatcher._default_expect_handler``): ``100 Continue`` on HTTP/1.1, and a
+    JSON 417 for any other expectation.
+    """
+    limit = request.app[RUNTIME].current.settings.downstream.max_body_bytes
+    length = request.content_length
+    if limit and length is not None and length > limit:
+        return None
+    if request.version != aiohttp.HttpVersion11:
+        return None
+    if request.headers.get("Expect", "").lower() != "100-continue":
+        return error_response(417, "only 'Expect: 100-continue' is supported",
+                              "expectation_failed")
+    await request.writer.write(b"HTTP/1.1 100 Continue\r\n\r\n")
+    request.writer.output_size = 0  # the interim response is not part of the response body
+    return None
 
 
 async def _healthz(request: web.Request) -> web.Response:

@@ -121,6 +121,45 @@ async def test_content_length_over_the_limit_is_a_413_and_nothing_goes_upstream(
     assert engine_requests(engine) == [], f"the engine saw {engine_requests(engine)}"
 
 
+async def test_expect_100_continue_over_the_limit_gets_the_413_instead_of_100(
+        engine: FakeEngine, start_sidecar: StartSidecar,
+        caplog: pytest.LogCaptureFixture) -> None:
+    """A client that asks before sending is told 413 at once, never invited to send the body;
+    one under the limit is still invited (100) and relayed."""
+    servers = await start_sidecar(sidecar_settings(
+        engine.url, downstream={"max_body_bytes": LIMIT}))
+    async with asyncio.timeout(GUARD_S), rawhttp.connect(servers.proxy_port) as (reader, writer):
+        writer.write(rawhttp.request_bytes("POST", "/sink", [
+            ("Content-Length", str(LIMIT + 1)), ("Expect", "100-continue")]))
+        await writer.drain()
+        resp, ending = await response_and_close(reader)  # no body sent: the first answer
+    assert_openai_error(resp.status, resp.body, 413, "request_too_large")
+    assert ending in ("eof", "reset"), f"expected the connection closed after a 413, {ending}"
+    await assert_refused_and_counted(servers, engine, caplog, 413, "BodyTooLarge")
+    assert engine_requests(engine) == [], f"the engine saw {engine_requests(engine)}"
+
+    body = b"y" * LIMIT
+    async with asyncio.timeout(GUARD_S), rawhttp.connect(servers.proxy_port) as (reader, writer):
+        writer.write(rawhttp.request_bytes("POST", "/sink", [
+            ("Content-Length", str(len(body))), ("Expect", "100-continue")]))
+        await writer.drain()
+        interim = await rawhttp.read_head(reader)
+        assert interim.status == 100, f"expected '100 Continue' under the limit, got {interim!r}"
+        writer.write(body)
+        ok = await rawhttp.read_body(reader, await rawhttp.read_head(reader))
+    assert ok.status == 200 and json.loads(ok.body)["body_len"] == len(body), ok
+
+
+async def test_unknown_expectation_is_a_json_417(engine: FakeEngine, sidecar: Servers) -> None:
+    async with asyncio.timeout(GUARD_S), rawhttp.connect(sidecar.proxy_port) as (reader, writer):
+        writer.write(rawhttp.request_bytes("POST", "/sink", [
+            ("Content-Length", "10"), ("Expect", "teapot")]))
+        await writer.drain()
+        resp = await rawhttp.read_body(reader, await rawhttp.read_head(reader))
+    assert_openai_error(resp.status, resp.body, 417, "expectation_failed")
+    assert engine_requests(engine) == [], f"the engine saw {engine_requests(engine)}"
+
+
 # (path, upstream.replay_buffer_bytes): /sink relays as it reads; /v1/responses reads the body
 # whole before anything goes upstream, or (a body over replay_buffer_bytes) relays the rest.
 CROSSING = {
