@@ -52,16 +52,37 @@ class EngineKind(enum.StrEnum):
     VLLM = "vllm"
 
 
+MAX_SECONDS = 365 * 24 * 3600.0  # a year: longer waits are typos, and overflow the loop's timers
+
+
 def _positive_or_none(value: float | None) -> float | None:
-    if value is not None and value <= 0:
-        raise ValueError("must be > 0 seconds; use null for no limit")
+    if value is not None and not 0 < value <= MAX_SECONDS:  # also refuses NaN
+        raise ValueError(f"must be > 0 and <= {MAX_SECONDS:.0f} seconds; use null for no limit")
     return value
 
 
 def _positive(value: float) -> float:
-    if value <= 0:
-        raise ValueError("must be > 0 seconds")
+    if not 0 < value <= MAX_SECONDS:  # also refuses NaN and infinity
+        raise ValueError(f"must be > 0 and <= {MAX_SECONDS:.0f} seconds")
     return value
+
+
+def _not_bool(value: Any) -> Any:
+    """YAML ``true``/``false`` where a number belongs is a mistake, not 1/0."""
+    if isinstance(value, bool):
+        raise ValueError("must be a number, not true/false")
+    return value
+
+
+def _api_key(value: SecretStr | None) -> SecretStr | None:
+    """Surrounding whitespace is dropped (a key read from a file or a Kubernetes Secret often
+    ends with a newline); a key still holding a control character cannot be sent in a header."""
+    if value is None:
+        return None
+    key = value.get_secret_value().strip()
+    if any(ord(c) < 32 or ord(c) == 127 for c in key):
+        raise ValueError("must not contain control characters (it is sent in an HTTP header)")
+    return SecretStr(key) if key else None
 
 
 def _route_prefix(value: str) -> str:
@@ -76,17 +97,14 @@ def _abort_path(value: str | None) -> str | None:
     return value
 
 
+NotBool = BeforeValidator(_not_bool)
 # 0 asks the OS for a free port (tests); the bound port is logged.
-def _empty_is_none(value: SecretStr | None) -> SecretStr | None:
-    return None if value is not None and not value.get_secret_value() else value
-
-
-Port = Annotated[int, Field(ge=0, le=65535)]
+Port = Annotated[int, Field(ge=0, le=65535), NotBool]
 # Case-insensitive in the file ("info" works); stored upper-case as logging expects.
 LogLevel = Annotated[Literal["DEBUG", "INFO", "WARNING", "ERROR"],
                      BeforeValidator(lambda v: v.upper() if isinstance(v, str) else v)]
-Seconds = Annotated[float, AfterValidator(_positive)]
-OptionalSeconds = Annotated[float | None, AfterValidator(_positive_or_none)]
+Seconds = Annotated[float, AfterValidator(_positive), NotBool]
+OptionalSeconds = Annotated[float | None, AfterValidator(_positive_or_none), NotBool]
 RoutePrefix = Annotated[str, AfterValidator(_route_prefix)]
 
 
@@ -111,9 +129,9 @@ class AbortSettings(_Model):
     """
 
     path: Annotated[str | None, AfterValidator(_abort_path)] = None
-    api_key: Annotated[SecretStr | None, AfterValidator(_empty_is_none)] = None
+    api_key: Annotated[SecretStr | None, AfterValidator(_api_key)] = None
     timeout_s: Seconds = 2.0
-    retries: Annotated[int, Field(ge=0, le=10)] = 2
+    retries: Annotated[int, Field(ge=0, le=10), NotBool] = 2
 
 
 class EngineSettings(_Model):
@@ -152,8 +170,8 @@ class DownstreamSettings(_Model):
 
     idle_timeout_s: Seconds = 75.0
     body_timeout_s: OptionalSeconds = 60.0
-    max_body_bytes: Annotated[int, Field(ge=0)] = 64 * 1024 * 1024
-    write_buffer_bytes: Annotated[int, Field(ge=4096)] = 256 * 1024
+    max_body_bytes: Annotated[int, Field(ge=0, le=2**40), NotBool] = 64 * 1024 * 1024
+    write_buffer_bytes: Annotated[int, Field(ge=4096, le=2**30), NotBool] = 256 * 1024
 
 
 class UpstreamSettings(_Model):
@@ -176,8 +194,8 @@ class UpstreamSettings(_Model):
     first_byte_timeout_s: OptionalSeconds = 600.0
     read_timeout_s: OptionalSeconds = 600.0
     keepalive_timeout_s: Seconds = 4.0
-    max_connections: Annotated[int, Field(ge=0)] = 0
-    replay_buffer_bytes: Annotated[int, Field(ge=0)] = 8 * 1024 * 1024
+    max_connections: Annotated[int, Field(ge=0, le=1_000_000), NotBool] = 0
+    replay_buffer_bytes: Annotated[int, Field(ge=0, le=2**32), NotBool] = 8 * 1024 * 1024
 
 
 class RouteSettings(_Model):

@@ -71,3 +71,47 @@ def test_unusable_listen_address_exits_1_with_a_message(tmp_path: Path) -> None:
     assert result.returncode == 1, (
         f"expected exit 1, got {result.returncode}; stderr:\n{result.stderr}")
     assert "cannot listen" in result.stderr and "Traceback" not in result.stderr, result.stderr
+
+
+ENGINE = "engines:\n  a: {kind: vllm, url: 'http://h:1', abort: {api_key: '${KEY}'}}\n"
+ROUTES = "routes: [{prefix: /, engine: a}]\n"
+
+
+# Values YAML happily produces and the runtime cannot use: each must be a located problem.
+@pytest.mark.parametrize(("location", "line"), [
+    ("upstream.first_byte_timeout_s", "upstream: {first_byte_timeout_s: .nan}"),
+    ("upstream.connect_timeout_s", "upstream: {connect_timeout_s: .inf}"),
+    ("upstream.read_timeout_s", "upstream: {read_timeout_s: -.inf}"),
+    ("upstream.keepalive_timeout_s", "upstream: {keepalive_timeout_s: 1.0e+300}"),
+    ("upstream.first_byte_timeout_s", "upstream: {first_byte_timeout_s: true}"),
+    ("upstream.max_connections", "upstream: {max_connections: 100000000000000000000}"),
+    ("downstream.idle_timeout_s", "downstream: {idle_timeout_s: .nan}"),
+    ("downstream.body_timeout_s", "downstream: {body_timeout_s: .inf}"),
+    ("downstream.write_buffer_bytes", "downstream: {write_buffer_bytes: 100000000000000000000}"),
+    ("downstream.max_body_bytes", "downstream: {max_body_bytes: false}"),
+    ("engines.a.abort.timeout_s",
+     "engines:\n  a: {kind: vllm, url: 'http://h:1', abort: {timeout_s: .nan}}"),
+    ("engines.a.abort.retries",
+     "engines:\n  a: {kind: vllm, url: 'http://h:1', abort: {retries: true}}"),
+    ("lifecycle.grace_period_s", "lifecycle: {grace_period_s: .inf}"),
+    ("listen.port", "listen: {port: true}"),
+])
+def test_nan_infinite_huge_and_boolean_numbers_are_refused(location: str, line: str) -> None:
+    engines = "" if line.startswith("engines") else ENGINE
+    message = problems_of(f"{line}\n{engines}{ROUTES}", env={"KEY": "k"})
+    assert f"  - {location}:" in message, f"expected a problem at {location} in:\n{message}"
+
+
+def test_api_key_surrounding_whitespace_is_dropped() -> None:
+    """A key read from a file or a Kubernetes Secret usually ends with a newline."""
+    settings = parse_config(ENGINE + ROUTES, "<test>", env={"KEY": f"  {SECRET}\n"})
+    key = settings.engines["a"].abort.api_key
+    assert key is not None and key.get_secret_value() == SECRET, "expected the key stripped"
+    blank = parse_config(ENGINE + ROUTES, "<test>", env={"KEY": " \n"})
+    assert blank.engines["a"].abort.api_key is None, "a blank key means no key"
+
+
+def test_api_key_with_an_inner_control_character_is_refused_without_echo() -> None:
+    message = problems_of(ENGINE + ROUTES, env={"KEY": "sk-very\nsecret"})
+    assert "  - engines.a.abort.api_key:" in message and "control characters" in message, message
+    assert "secret" not in message.replace("problem", ""), f"the key leaked:\n{message}"
