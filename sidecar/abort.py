@@ -16,8 +16,10 @@ Bounds (module constants):
   arrive while every slot is busy wait and join the next batch. A call keeps its slot through
   its retries and their backoff: while an engine fails, no more than that many calls press on
   it, and new ids wait in the bounded queue instead;
-- at most ``MAX_QUEUED_IDS`` ids wait per engine. A request whose ids would exceed that is not
-  sent: its outcome is ``dropped`` (counted and logged), never silently lost;
+- at most ``MAX_QUEUED_IDS`` ids wait per engine. When a request's ids would exceed that, the
+  waiting request with the most ids gives way if it has more than the newcomer, else the
+  newcomer does (:meth:`Aborter._make_room`): the one not sent ends ``dropped`` (counted and
+  logged), never silently lost, and one huge request never crowds out many small ones;
 - ``abort.timeout_s`` bounds each attempt from sending to the answer, not the wait for a slot
   nor the backoff. A call takes at most ``(1 + retries) * timeout_s`` plus the backoffs.
 
@@ -92,6 +94,8 @@ ABORT_STATUS_HINTS = {
     504: "a proxy in front of the engine got no answer from it",
 }
 _TIMEOUT_HINT = "the engine accepted the call but did not answer within abort.timeout_s"
+_UNEXPECTED_HINT = ("the abort call could not be made; check engines.*.abort (e.g. a key aiohttp "
+                    "refuses in a header) and report it if the config is fine")
 
 
 def _error_hint(exc: aiohttp.ClientError) -> str:
@@ -210,19 +214,41 @@ class Aborter:
         request = _Request(ids, sidecar_id, noticed_at, request_log, len(ids))
         if request_log is not None:
             request_log.abort_started()
-        if queue.waiting_ids + len(ids) > MAX_QUEUED_IDS:
-            log.warning("request %s: abort queue of engine %s is full (%d ids waiting for one of "
-                        "%d calls in flight); %d id(s) not aborted", sidecar_id, engine.name,
-                        queue.waiting_ids, queue.in_flight, len(ids))
-            request.unsent = 0
-            request.settle("dropped")
-            self._finish(engine, request)
+        if queue.waiting_ids + len(ids) > MAX_QUEUED_IDS and not self._make_room(queue, request):
             return
         queue.waiting.append(request)
         queue.waiting_ids += len(ids)
         if not queue.flush_scheduled:
             queue.flush_scheduled = True
             asyncio.get_running_loop().call_soon(self._scheduled_flush, queue)
+
+    def _make_room(self, queue: _Queue, request: _Request) -> bool:
+        """Fit ``request`` into its engine's full queue; True if it now fits.
+
+        The waiting request with the most unsent ids gives way while it has more than
+        ``request``; otherwise ``request`` itself is dropped. So one client's request with
+        thousands of ids (a completion with a long prompt list) can never crowd out the aborts
+        of many small ones. A dropped request ends ``dropped``: counted, logged, access line.
+        """
+        need = len(request.ids)
+        while queue.waiting_ids + need > MAX_QUEUED_IDS:
+            biggest = max(queue.waiting, key=lambda r: r.unsent, default=None)
+            if biggest is None or biggest.unsent <= need:
+                self._drop(queue, request)
+                return False
+            queue.waiting.remove(biggest)
+            queue.waiting_ids -= biggest.unsent
+            self._drop(queue, biggest)
+        return True
+
+    def _drop(self, queue: _Queue, request: _Request) -> None:
+        engine = queue.engine
+        log.warning("request %s: abort queue of engine %s is full (%d ids waiting for one of %d "
+                    "calls in flight); %d id(s) not aborted", request.sidecar_id, engine.name,
+                    queue.waiting_ids, queue.in_flight, request.unsent)
+        request.unsent = 0
+        if request.settle("dropped"):
+            self._finish(engine, request)
 
     def _scheduled_flush(self, queue: _Queue) -> None:
         queue.flush_scheduled = False
@@ -278,7 +304,8 @@ class Aborter:
 
     async def _post(self, engine: EngineAdapter, call: AbortCall) -> _Answer:
         """One attempt at ``call``, bounded by ``abort.timeout_s``; never raises but
-        ``CancelledError``."""
+        ``CancelledError`` (any other exception is an ``error`` answer, so a call task always
+        gives back its slot)."""
         url = engine.base_url + call.path
         timeout_s = engine.settings.abort.timeout_s
         sent = time.monotonic()
@@ -294,6 +321,11 @@ class Aborter:
         except aiohttp.ClientError as exc:
             return _Answer("error", f"{type(exc).__name__}: {exc}", _error_hint(exc),
                            time.monotonic() - sent, transient(exc))
+        except Exception as exc:  # noqa: BLE001 - a call must never take its slot with it
+            # Not aiohttp's network errors: a request aiohttp refused to build (e.g. a header
+            # value it forbids). Only the type is logged: the message may quote the header.
+            return _Answer("error", f"unexpected {type(exc).__name__}", _UNEXPECTED_HINT,
+                           time.monotonic() - sent, False)
         took = time.monotonic() - sent
         if 200 <= status < 300:
             return _Answer(_OK, f"HTTP {status}", "", took, False)

@@ -94,6 +94,8 @@ def _route_prefix(value: str) -> str:
 def _abort_path(value: str | None) -> str | None:
     if value is not None and not value.startswith("/"):
         raise ValueError("must be an absolute path starting with '/'")
+    if value is not None and any(ord(c) <= 32 or ord(c) == 127 for c in value):
+        raise ValueError("must not contain spaces or control characters (percent-encode them)")
     return value
 
 

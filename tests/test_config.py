@@ -94,6 +94,8 @@ ROUTES = "routes: [{prefix: /, engine: a}]\n"
     ("engines.a.abort.retries",
      "engines:\n  a: {kind: vllm, url: 'http://h:1', abort: {retries: true}}"),
     ("lifecycle.grace_period_s", "lifecycle: {grace_period_s: .inf}"),
+    ("engines.a.abort.path",
+     "engines:\n  a: {kind: vllm, url: 'http://h:1', abort: {path: \"/abort\\nx\"}}"),
     ("listen.port", "listen: {port: true}"),
 ])
 def test_nan_infinite_huge_and_boolean_numbers_are_refused(location: str, line: str) -> None:

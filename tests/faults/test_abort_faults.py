@@ -311,7 +311,9 @@ async def test_hanging_abort_endpoint_queues_at_most_max_queued_ids_then_drains(
         engine: FakeEngine, start_sidecar: Callable[..., Any], caplog: pytest.LogCaptureFixture,
         stalls: Stalls) -> None:
     """The first request fills every call slot (8 calls hang); the next ones wait until the
-    queue holds exactly ``MAX_QUEUED_IDS``; one more id is dropped. When the endpoint recovers,
+    queue holds exactly ``MAX_QUEUED_IDS``; one more request, no smaller than any waiting one,
+    is dropped (a smaller one would make the largest give way: the next test). When the endpoint
+    recovers,
     every waiting id goes out exactly once."""
     caplog.set_level(logging.INFO)
     engine.record.abort_gate = gate = asyncio.Event()  # every abort call hangs until set
@@ -323,7 +325,7 @@ async def test_hanging_abort_endpoint_queues_at_most_max_queued_ids_then_drains(
     in_flight = MAX_CALLS_PER_ENGINE * MAX_IDS_PER_CALL  # 4096 ids in the hanging calls
     big = 4000
     fills, rest = divmod(MAX_QUEUED_IDS, big)
-    plan = [big] + [big] * fills + [rest] + [1]  # 4000 sent; 4 x 4000 + 384 = 16384 wait; 1
+    plan = [big] + [big] * fills + [rest] + [big]  # 4000 sent; 4 x 4000 + 384 wait; 4000
     assert plan[0] <= in_flight and rest > 0
     streams = [await open_completions(port, stalls, n) for n in plan]
 
@@ -363,7 +365,7 @@ async def test_hanging_abort_endpoint_queues_at_most_max_queued_ids_then_drains(
                   for s in calls)
     sizes = [len(a.ids) for a in engine.record.aborts]
     print(f"[queue bound] {sum(plan)} ids cut: {sent_while_hanging} in {calls_while_hanging} "
-          f"hanging calls, {MAX_QUEUED_IDS} queued, 1 dropped "
+          f"hanging calls, {MAX_QUEUED_IDS} queued, {plan[-1]} dropped "
           f"({ms(queued_by - started)}{stalls.note(started, queued_by)}); after recovery "
           f"{len(calls) - calls_while_hanging} more calls, drained in {ms(drained - queued_by)}, "
           f"at most {overlap} in flight")
@@ -385,6 +387,50 @@ async def test_hanging_abort_endpoint_queues_at_most_max_queued_ids_then_drains(
     lines = access_lines(caplog)
     outcomes = Counter(lines[rid]["abort"] for _, rid in streams)
     assert outcomes == {"ok": kept, "dropped": 1}, f"access lines: got {outcomes}"
+    assert_no_key(caplog)
+
+
+async def test_one_huge_request_never_crowds_out_small_ones(
+        engine: FakeEngine, start_sidecar: Callable[..., Any], caplog: pytest.LogCaptureFixture,
+        stalls: Stalls) -> None:
+    """A hostile tester's attack: one client's completion with a prompt list as long as the whole
+    queue, cut while the abort endpoint hangs, then small requests cut: the huge one gives way
+    (``dropped``), every small one is aborted once the endpoint recovers."""
+    caplog.set_level(logging.INFO)
+    engine.record.abort_gate = gate = asyncio.Event()
+    engines = {FAILING: {"kind": "vllm", "url": engine.url,
+                         "abort": {"api_key": API_KEY, "timeout_s": 60.0}}}
+    servers: Servers = await start_sidecar(sidecar_settings(
+        engine.url, engines=engines, routes=[{"prefix": "/", "engine": FAILING}]))
+    port, admin = servers.proxy_port, servers.admin_port or 0
+    in_flight = MAX_CALLS_PER_ENGINE * MAX_IDS_PER_CALL
+    plan = [in_flight, MAX_QUEUED_IDS, 1, 1, 1, 2]  # fill the slots; fill the queue; victims
+    streams = [await open_completions(port, stalls, n) for n in plan]
+    for k, (client, _) in enumerate(streams, 1):
+        client.disconnect("rst")
+        await wait_metric(stalls, admin, "cancel_sidecar_client_disconnects_total", k,
+                          route="/", phase="streaming")
+        if k == 1:
+            await stalls.wait(engine.watch.until(
+                partial(calls_at, engine, MAX_CALLS_PER_ENGINE), FOREVER),
+                f"{MAX_CALLS_PER_ENGINE} abort calls at the engine")
+    await wait_metric(stalls, admin, "cancel_sidecar_aborted_requests_total", 1,
+                      engine=FAILING, outcome="dropped")
+    gate.set()
+    victims = streams[2:]
+    await wait_metric(stalls, admin, "cancel_sidecar_aborted_requests_total", 1 + len(victims),
+                      engine=FAILING, outcome="ok")
+    named = Counter(engine.record.aborted_ids())
+    huge_rid = streams[1][1]
+    for (_, rid), n in zip(victims, plan[2:], strict=True):
+        assert all(named[i] == 1 for i in engine_ids(rid, n)), (
+            f"expected the small request {rid} aborted once, got "
+            f"{[named[i] for i in engine_ids(rid, n)]}")
+    assert not any(i.startswith(f"cmpl-{huge_rid}-") for i in named), (
+        "the huge request gave way: none of its ids is sent")
+    lines = access_lines(caplog)
+    assert lines[huge_rid]["abort"] == "dropped", lines[huge_rid]
+    assert [lines[rid]["abort"] for _, rid in victims] == ["ok"] * len(victims), lines
     assert_no_key(caplog)
 
 
