@@ -40,6 +40,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+from collections.abc import Awaitable, Callable
 from http import HTTPStatus
 from typing import Any
 
@@ -55,6 +56,7 @@ from aiohttp.http_exceptions import (
 )
 from aiohttp.web_protocol import RequestHandler
 from aiohttp.web_request import BaseRequest
+from yarl import URL
 
 from sidecar.proxy import error_response
 
@@ -139,6 +141,48 @@ class DownstreamHandler(RequestHandler):
         return response
 
 
+class UnusableTarget(BaseRequest):
+    """A request whose target aiohttp could not turn into a request: answered 400 by
+    :func:`refusing_unusable_targets`, never routed."""
+
+
+def guarded_request_factory(factory: Callable[..., BaseRequest]) -> Callable[..., BaseRequest]:
+    """Wrap aiohttp's request factory so a target it cannot represent becomes an
+    :class:`UnusableTarget` instead of killing the connection.
+
+    aiohttp's ``BaseRequest.__init__`` reads the host of an absolute-form target, which yarl
+    refuses with ``UnicodeError`` for an invalid internationalised name (``GET http://xn--/``);
+    ``RequestHandler.start`` builds the request outside any ``try``, so the connection's task
+    died and the connection hung, unanswered and never closed (a hostile tester's finding).
+    """
+    def make(message: Any, payload: Any, protocol: Any, writer: Any, task: Any) -> BaseRequest:
+        try:
+            return factory(message, payload, protocol, writer, task)
+        except ValueError:  # UnicodeError included
+            safe = message._replace(url=URL.build(path="/", encoded=True))
+            return UnusableTarget(safe, payload, protocol, writer, task,
+                                  asyncio.get_running_loop())
+    return make
+
+
+def refusing_unusable_targets(
+        handler: Callable[[BaseRequest], Awaitable[web.StreamResponse]]
+) -> Callable[[BaseRequest], Awaitable[web.StreamResponse]]:
+    """Wrap the server's request handler: an :class:`UnusableTarget` gets a JSON 400 that
+    closes the connection; every other request goes to ``handler``."""
+    async def handle(request: BaseRequest) -> web.StreamResponse:
+        if not isinstance(request, UnusableTarget):
+            return await handler(request)
+        log.warning("refused a malformed request from %s with 400: unusable request target",
+                    request.remote)
+        response = error_response(HTTPStatus.BAD_REQUEST, "Invalid request target",
+                                  "invalid_request")
+        response.headers["Connection"] = "close"
+        response.force_close()
+        return response
+    return handle
+
+
 class DownstreamServer(web.Server):
     """``web.Server`` whose connections are :class:`DownstreamHandler`."""
 
@@ -153,6 +197,7 @@ class DownstreamRunner(web.AppRunner):
     async def _make_server(self) -> web.Server:
         plain = await super()._make_server()  # starts the app, merges the app's handler_args
         kwargs: dict[str, Any] = dict(plain._kwargs)
-        return DownstreamServer(plain.request_handler, request_factory=plain.request_factory,
+        return DownstreamServer(refusing_unusable_targets(plain.request_handler),
+                                request_factory=guarded_request_factory(plain.request_factory),
                                 handler_cancellation=plain.handler_cancellation,
                                 loop=asyncio.get_running_loop(), **kwargs)

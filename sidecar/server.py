@@ -113,8 +113,9 @@ async def start(settings: Settings, registry: CollectorRegistry | None = None, *
     admin_runner = None
     admin_port = None
     if admin and settings.admin is not None:
-        admin_runner = web.AppRunner(make_admin_app(app[RUNTIME], registry), access_log=None,
-                                     shutdown_timeout=1.0, keepalive_timeout=idle_s)
+        admin_runner = DownstreamRunner(make_admin_app(app[RUNTIME], registry),
+                                        access_log=None, shutdown_timeout=1.0,
+                                        keepalive_timeout=idle_s)
         await admin_runner.setup()
         await web.TCPSite(admin_runner, settings.admin.host, settings.admin.port).start()
         admin_port = _bound_port(admin_runner)

@@ -42,6 +42,7 @@ from prometheus_client import CollectorRegistry, multiprocess
 
 from sidecar.app import make_admin_app
 from sidecar.config import Settings
+from sidecar.downstream import DownstreamRunner
 from sidecar.runtime import Runtime, Runtimes, describe_changes
 from sidecar.tasks import TaskSet
 
@@ -162,9 +163,9 @@ class Supervisor:
         registry = CollectorRegistry()
         multiprocess.MultiProcessCollector(  # type: ignore[no-untyped-call]
             registry, path=str(self.metrics_dir))
-        runner = web.AppRunner(make_admin_app(runtimes, registry), access_log=None,
-                               shutdown_timeout=1.0,
-                               keepalive_timeout=self.settings.downstream.idle_timeout_s)
+        runner = DownstreamRunner(make_admin_app(runtimes, registry), access_log=None,
+                                  shutdown_timeout=1.0,
+                                  keepalive_timeout=self.settings.downstream.idle_timeout_s)
         await runner.setup()
         await web.TCPSite(runner, self.settings.admin.host, self.settings.admin.port).start()
         return runner, int(runner.addresses[0][1])
