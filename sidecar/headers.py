@@ -12,6 +12,7 @@ included.
 
 from __future__ import annotations
 
+import re
 from collections.abc import Iterable
 
 from multidict import CIMultiDict, CIMultiDictProxy, istr
@@ -70,6 +71,19 @@ def upstream_request_headers(
 def downstream_response_headers(headers: CIMultiDictProxy[str]) -> CIMultiDict[str]:
     """Headers to send downstream for an upstream response with ``headers``."""
     return _filtered(headers.items(), HOP_BY_HOP, _connection_tokens(headers))
+
+
+# What aiohttp refuses to write in a header (``http_writer._FORBIDDEN_HEADER_CHARS_RE``; RFC 9110
+# section 5.5): control characters but HTAB. aiohttp's client accepts them in what it reads.
+_FORBIDDEN_HEADER_CHARS = re.compile(r"[\x00-\x08\x0a-\x1f\x7f]")
+
+
+def has_forbidden_characters(headers: CIMultiDictProxy[str]) -> bool:
+    """True if a header name or value holds a character aiohttp cannot send downstream: such an
+    upstream response is malformed (relaying it raised in ``prepare`` and mis-framed the
+    client's error response)."""
+    return any(_FORBIDDEN_HEADER_CHARS.search(name) or _FORBIDDEN_HEADER_CHARS.search(value)
+               for name, value in headers.items())
 
 
 def _append(headers: CIMultiDict[str], name: str, value: str) -> None:

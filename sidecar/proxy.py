@@ -35,10 +35,12 @@ from sidecar.errors import (
     DownstreamError,
     RequestBodyTooLarge,
     UpstreamError,
+    UpstreamProtocolError,
     UpstreamReadTimeout,
 )
 from sidecar.headers import (
     downstream_response_headers,
+    has_forbidden_characters,
     unsupported_transfer_coding,
     upstream_request_headers,
 )
@@ -124,6 +126,9 @@ class Exchange:
         if not engine.wants_body(request.method, request.path):
             self.body.drop_copy()
 
+        if has_forbidden_characters(upstream.headers):
+            return self._fail(UpstreamProtocolError(
+                f"{engine.base_url} sent a response header with a control character"))
         response = web.StreamResponse(status=upstream.status, reason=upstream.reason,
                                       headers=downstream_response_headers(upstream.headers))
         response.headers[REQUEST_ID] = self.id

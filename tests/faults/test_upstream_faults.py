@@ -520,6 +520,11 @@ async def fault(kind: str) -> AsyncIterator[Fault]:
     elif kind == "malformed-head":
         async with raw_fault(MALFORMED["bad-status"], protocol, True, "ProtocolError") as f:
             yield f
+    elif kind == "control-character-header":  # aiohttp's client reads it; its server
+        # cannot write it (a hostile tester's finding: the client got a mis-framed 500)
+        async with raw_fault(SSE_HEAD.replace(b"\r\n\r\n", b"\r\nX-Odd: a\x01b\r\n\r\n")
+                             + chunk(event(0)), protocol, True, "ProtocolError") as f:
+            yield f
     elif kind == "closed-before-head":
         async with raw_fault(MALFORMED["truncated-head"], protocol, False, "Disconnected",
                              close_after_response=True) as f:
@@ -547,6 +552,7 @@ async def fault(kind: str) -> AsyncIterator[Fault]:
 
 
 FAULT_KINDS = ["refused", "connect-timeout", "first-byte-timeout", "malformed-head",
+               "control-character-header",
                "closed-before-head", "death-fin", "death-rst", "read-timeout",
                "content-length-cut-short"]
 HEALTHY_TOKENS = 40  # at 0.05 s apart: a ~2 s stream, longer than any fault here takes
