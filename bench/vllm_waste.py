@@ -1,0 +1,389 @@
+"""Tokens a real vLLM engine generates after a client disconnects, direct versus through the sidecar.
+
+For the report: a client streams a chat from a real vLLM 0.32 engine (CPU build, the e2e suite's
+small random Llama) behind a middleware that hides disconnects from vLLM, reads 64 tokens and
+closes its connection. Straight to vLLM the engine goes on to ``max_tokens`` (capped here at
+``DIRECT_MAX_TOKENS``, so the direct figure is bounded by the cap, not by anything vLLM does);
+through the sidecar the abort call stops it. "Tokens generated after the disconnect" are the
+tokens vLLM's scheduler accepted for the request after the client's close instant, counted
+inside the engine core (the step-by-step count, not the client's view), so tokens that were
+generated before the close but still in flight are not counted as waste. ``tokens_per_s`` is the
+engine's measured single-stream decode rate in the same run: waste through the sidecar is
+roughly that rate times the close -> engine-abort time.
+
+Method (``run``): one vLLM server (``tests.e2e.vllm_server``, disconnect-hiding middleware, the
+``E2E_MODEL_KWARGS`` model), one sidecar CLI subprocess (``tests.e2e.sidecar_process``), a raw
+client (``tests.e2e.measure.RawClient``) that closes with a RST, and ``MetricsSampler`` polling
+``/metrics`` every 10 ms. vLLM's own counter cannot give the figure: ``vllm:generation_tokens_total``
+is counted in the API process and skips every output of a request once the API process handled
+its abort (``v1/engine/output_processor.py``, ``process_outputs``: "Ignore output for
+already-aborted request"), while the engine core keeps stepping until the ABORT message reaches
+it. So the vLLM processes get small probes through a generated ``sitecustomize`` (``PYTHONPATH``
+of the vLLM subprocess only; vLLM's files are not changed): the engine core writes
+``(monotonic time, request id, output tokens)`` after every ``Scheduler.update_from_output`` and
+at every ``Scheduler.finish_requests``, and the API process the time ``AsyncLLM.abort`` starts.
+``time.monotonic`` is CLOCK_MONOTONIC, shared by every process on the machine, so these line up
+with the client's close instant and with the sidecar's log timestamps (wall clock, ms, converted).
+
+Run: ``flock /tmp/bench.lock /work/main/.venv/bin/python -m bench.vllm_waste [--quick]``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import importlib.abc
+import importlib.machinery
+import json
+import os
+import statistics
+import sys
+import tempfile
+import time
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, field
+from datetime import datetime
+from pathlib import Path
+from types import ModuleType
+from typing import Any
+
+PROBE_ENV = "BENCH_VLLM_PROBE_FILE"
+REPO = Path(__file__).resolve().parents[1]
+
+READ_TOKENS = 64           # tokens the client reads before it leaves (~0.25 s at 250 tokens/s)
+RATE_FROM_TOKEN = 16       # the decode rate is measured from this token to the close
+DIRECT_MAX_TOKENS = 512    # cap of the direct runs: vLLM generates until here for nobody
+SIDECAR_MAX_TOKENS = 4000  # never reached through the sidecar (~16 s)
+QUIET_S = 0.5              # after running == 0, watch this long that nothing more is counted
+FULL_RUNS, QUICK_RUNS = 5, 1
+
+
+# --- probes, installed in the vLLM processes by the generated sitecustomize ---------------------
+
+def install_probes() -> None:
+    """Patch vLLM classes as they are imported (this process and its children) to append JSON
+    lines to the file named by ``$BENCH_VLLM_PROBE_FILE``: ``step`` (per scheduled request after
+    each engine step: ``id`` internal request id, ``n`` output tokens so far), ``finish``
+    (``Scheduler.finish_requests``: ids, status, output tokens) and ``api_abort``
+    (``AsyncLLM.abort`` entered, external ids). ``t`` is ``time.monotonic()`` seconds."""
+    path = os.environ[PROBE_ENV]
+    fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+
+    def emit(event: str, **fields: Any) -> None:
+        line = json.dumps({"ev": event, "t": time.monotonic(), "pid": os.getpid(), **fields})
+        os.write(fd, line.encode() + b"\n")  # O_APPEND: one atomic write per line
+
+    def patch_scheduler(module: ModuleType) -> None:
+        cls = module.Scheduler
+        update, finish = cls.update_from_output, cls.finish_requests
+
+        def update_from_output(self: Any, scheduler_output: Any, model_runner_output: Any) -> Any:
+            reqs = [self.requests.get(i) for i in scheduler_output.num_scheduled_tokens]
+            out = update(self, scheduler_output, model_runner_output)
+            for req in reqs:
+                if req is not None:
+                    emit("step", id=req.request_id, n=req.num_output_tokens)
+            return out
+
+        def finish_requests(self: Any, request_ids: Any, finished_status: Any) -> Any:
+            ids = [request_ids] if isinstance(request_ids, str) else list(request_ids or ())
+            emit("finish", ids=ids, status=str(finished_status),
+                 n=[getattr(self.requests.get(i), "num_output_tokens", None) for i in ids])
+            return finish(self, ids, finished_status)
+
+        cls.update_from_output, cls.finish_requests = update_from_output, finish_requests
+
+    def patch_async_llm(module: ModuleType) -> None:
+        cls = module.AsyncLLM
+        abort = cls.abort
+
+        async def abort_probe(self: Any, request_id: Any, internal: bool = False) -> None:
+            ids = [request_id] if isinstance(request_id, str) else list(request_id)
+            emit("api_abort", ids=ids, internal=internal)
+            await abort(self, ids, internal)
+
+        cls.abort = abort_probe
+
+    sys.meta_path.insert(0, _PatchOnImport({
+        "vllm.v1.core.sched.scheduler": patch_scheduler,
+        "vllm.v1.engine.async_llm": patch_async_llm,
+    }))
+
+
+class _PatchOnImport(importlib.abc.MetaPathFinder):
+    """Run ``patches[name](module)`` right after module ``name`` is executed."""
+
+    def __init__(self, patches: dict[str, Callable[[ModuleType], None]]) -> None:
+        self._patches = patches
+
+    def find_spec(self, fullname: str, path: Any, target: Any = None
+                  ) -> importlib.machinery.ModuleSpec | None:
+        patch = self._patches.get(fullname)
+        if patch is None:
+            return None
+        spec = importlib.machinery.PathFinder.find_spec(fullname, path)
+        if spec is None or spec.loader is None:
+            return None
+        exec_module = spec.loader.exec_module
+
+        def exec_and_patch(module: ModuleType) -> None:
+            exec_module(module)
+            patch(module)
+
+        spec.loader.exec_module = exec_and_patch  # type: ignore[method-assign]
+        return spec
+
+
+SITECUSTOMIZE = f"""\
+import os
+if os.environ.get({PROBE_ENV!r}):
+    from bench.vllm_waste import install_probes
+    install_probes()
+"""
+
+
+def read_probes(path: Path) -> list[dict[str, Any]]:
+    try:
+        lines = path.read_text().splitlines()
+    except FileNotFoundError:
+        return []
+    return [json.loads(line) for line in lines if line.startswith("{")]
+
+
+# --- one run -------------------------------------------------------------------------------------
+
+@dataclass
+class Trial:
+    """One abandoned request. Times in ms from the client's close; None: not seen."""
+
+    kind: str                      # "direct" or "sidecar"
+    received: int = 0              # content events the client read (one token each)
+    client_rate: float = 0.0       # tokens/s the client received before leaving
+    engine_rate: float = 0.0       # tokens/s the engine accepted for the request before the close
+    at_close: int = 0              # output tokens the engine had accepted at the close instant
+    at_end: int = 0                # output tokens when the request left the scheduler
+    after_close: int = 0           # at_end - at_close: the figure
+    counter_after_close: int = 0   # settled generation_tokens_total delta - at_close
+    stop_ms: float | None = None   # /metrics: first sample with running == waiting == 0
+    chain_ms: dict[str, float | None] = field(default_factory=dict)
+
+
+async def _trial(kind: str, base_url: str, model: Path, engine: Any, probes: Path,
+                 sidecar: Any | None) -> Trial:
+    from demo.__main__ import settled_tokens
+    from tests.e2e.measure import MetricsSampler, RawClient
+
+    max_tokens = DIRECT_MAX_TOKENS if kind == "direct" else SIDECAR_MAX_TOKENS
+    body = {"model": str(model), "messages": [{"role": "user", "content": "tell me a story"}],
+            "max_tokens": max_tokens, "ignore_eos": True, "temperature": 0, "stream": True}
+    before = await settled_tokens(engine)
+    probe_mark = len(read_probes(probes))
+    log_mark = len(sidecar.log_text()) if sidecar is not None else 0
+    trial = Trial(kind)
+    with MetricsSampler(engine.base_url) as sampler:
+        client = await RawClient.post(base_url, "/v1/chat/completions", body)
+        arrivals: list[float] = []
+        try:
+            await client.read_head()
+            assert client.status == 200, f"expected 200 from {base_url}, got {client.status}"
+            while len(arrivals) < READ_TOKENS:
+                (event,) = await client.read_events(1)
+                arrivals += [time.monotonic()] * _tokens_in(event)
+        finally:
+            wall0 = time.time()
+            t0 = await client.disconnect("abort")
+        await sampler.wait_for(lambda s: s.running == 0 and s.waiting == 0,
+                               60 if kind == "direct" else 20, f"an idle engine ({kind})")
+        await asyncio.sleep(QUIET_S)
+        report = sampler.stop_report(t0)
+    settled = await settled_tokens(engine)
+    trial.received = len(arrivals)
+    span = arrivals[-1] - arrivals[RATE_FROM_TOKEN]
+    trial.client_rate = (len(arrivals) - 1 - RATE_FROM_TOKEN) / span if span > 0 else 0.0
+    trial.stop_ms = report.ms_to_idle
+    chain = trial.chain_ms
+    chain["running_0_at_metrics"] = report.ms_to_idle
+    chain["last_counter_increase"] = report.ms_to_last_token
+
+    events = read_probes(probes)[probe_mark:]
+    steps = [e for e in events if e["ev"] == "step"]
+    ids = {e["id"] for e in steps}
+    assert len(ids) == 1, f"expected one request in the engine during the trial, saw {ids}"
+    before_close = [e for e in steps if e["t"] <= t0]
+    after = [e for e in steps if e["t"] > t0]
+    trial.at_close = before_close[-1]["n"] if before_close else 0
+    trial.at_end = steps[-1]["n"]
+    trial.after_close = trial.at_end - trial.at_close
+    trial.counter_after_close = int(settled - before) - trial.at_close
+    window = [e for e in before_close if e["n"] >= RATE_FROM_TOKEN]
+    if len(window) >= 2 and window[-1]["t"] > window[0]["t"]:
+        trial.engine_rate = (window[-1]["n"] - window[0]["n"]) / (window[-1]["t"] - window[0]["t"])
+    chain["last_token_in_engine"] = _ms(after[-1]["t"] - t0) if after else 0.0
+    api = next((e for e in events if e["ev"] == "api_abort"), None)
+    finish = next((e for e in events if e["ev"] == "finish"), None)
+    chain["vllm_api_abort_task"] = _ms(api["t"] - t0) if api else None
+    chain["engine_core_abort"] = _ms(finish["t"] - t0) if finish else None
+    if sidecar is not None:
+        chain.update(_sidecar_chain(sidecar.log_text()[log_mark:], wall0))
+    return trial
+
+
+def _tokens_in(event: bytes) -> int:
+    """1 if an SSE chat event carries generated text (vLLM sends one token per event unless its
+    API process falls behind and merges deltas; then this undercounts the client's view only)."""
+    if not event.startswith(b"data: {"):
+        return 0
+    choices = json.loads(event[6:]).get("choices") or [{}]
+    return int(bool((choices[0].get("delta") or {}).get("content")))
+
+
+def _ms(seconds: float) -> float:
+    return round(seconds * 1000, 2)
+
+
+def _sidecar_chain(log: str, wall0: float) -> dict[str, float | None]:
+    """From the sidecar's JSON log (wall clock, ms resolution): when it noticed the disconnect
+    (its "upstream closed, aborting" line), when the abort call went out and was answered (the
+    "engine ... aborted ... in X ms" line: its time minus X), ms after the close at ``wall0``."""
+    out: dict[str, float | None] = {"sidecar_noticed": None, "abort_call_sent": None,
+                                    "abort_call_answered": None}
+    for line in log.splitlines():
+        try:
+            rec = json.loads(line)
+        except ValueError:
+            continue
+        ts = datetime.fromisoformat(rec["ts"].replace("Z", "+00:00")).timestamp()
+        msg = rec.get("msg", "")
+        if "upstream closed, aborting" in msg and out["sidecar_noticed"] is None:
+            out["sidecar_noticed"] = _ms(ts - wall0)
+        elif msg.startswith("engine ") and " aborted " in msg and out["abort_call_answered"] is None:
+            took = float(msg.split(" in ")[1].split(" ms")[0])
+            out["abort_call_answered"] = _ms(ts - wall0)
+            out["abort_call_sent"] = round(out["abort_call_answered"] - took, 2)
+    return out
+
+
+async def _measure(model: Path, engine: Any, sidecar: Any, probes: Path, runs: int,
+                   say: Callable[[str], None]) -> list[Trial]:
+    trials = []
+    for i in range(runs):
+        for kind, url, sc in (("direct", engine.base_url, None),
+                              ("sidecar", sidecar.base_url, sidecar)):
+            trial = await _trial(kind, url, model, engine, probes, sc)
+            say(f"run {i + 1}/{runs} {kind}: {trial.after_close} tokens after the close "
+                f"({trial.engine_rate:.0f} tokens/s, stop {trial.stop_ms} ms)")
+            trials.append(trial)
+    return trials
+
+
+def run(quick: bool = False, say: Callable[[str], None] | None = None) -> dict[str, Any]:
+    """Start vLLM (real engine, CPU, disconnect-hiding middleware) and the sidecar CLI, abandon
+    ``runs`` streams each way, stop everything (also on errors and Ctrl-C), return the figures:
+    ``tokens_per_s`` (median engine decode rate of one stream before the close), ``direct`` and
+    ``sidecar`` (tokens after the close, per run), ``stop_ms_sidecar`` (close ->
+    ``vllm:num_requests_running`` == 0 at ``/metrics``), ``runs``, ``notes``, and ``detail``
+    (every trial, with its chain of events in ms after the close).
+
+    Raises ``RuntimeError`` if vLLM or the sidecar does not start, ``AssertionError`` if the engine
+    does not behave as expected (e.g. does not go idle)."""
+    from tests.e2e.sidecar_process import start_sidecar
+    from tests.e2e.tiny_model import E2E_MODEL_KWARGS, build_tiny_model
+    from tests.e2e.vllm_server import HIDE_DISCONNECT_MIDDLEWARE, REPO_ROOT, start_vllm_server
+
+    say = say or (lambda msg: None)
+    runs = QUICK_RUNS if quick else FULL_RUNS
+    engine = sidecar = None
+    try:
+        with tempfile.TemporaryDirectory(prefix="bench-vllm-waste-") as tmp_dir:
+            tmp = Path(tmp_dir)
+            (tmp / "sitecustomize.py").write_text(SITECUSTOMIZE)
+            probes = tmp / "probes.jsonl"
+            say("building the e2e model under tests/e2e/.cache (once)")
+            model = build_tiny_model(REPO / "tests/e2e/.cache/e2e-llama-8k", **E2E_MODEL_KWARGS)
+            say("starting vLLM (~30-60 s)")
+            engine = start_vllm_server(
+                model, max_model_len=8192, log_path=tmp / "vllm.log",
+                middleware=[HIDE_DISCONNECT_MIDDLEWARE],
+                extra_env={PROBE_ENV: str(probes),
+                           "PYTHONPATH": os.pathsep.join((str(tmp), str(REPO_ROOT)))})
+            say(f"vLLM up in {engine.start_seconds:.0f} s; starting the sidecar")
+            sidecar = start_sidecar(engine.base_url, tmp / "sidecar")
+            assert read_probes(probes), "expected probe lines from vLLM (sitecustomize not loaded?)"
+            trials = asyncio.run(_measure(model, engine, sidecar, probes, runs, say))
+    finally:
+        if sidecar is not None:
+            sidecar.stop()
+        if engine is not None:
+            engine.stop()
+    direct = [t for t in trials if t.kind == "direct"]
+    through = [t for t in trials if t.kind == "sidecar"]
+    return {
+        "tokens_per_s": round(statistics.median(t.engine_rate for t in trials), 1),
+        "direct": [t.after_close for t in direct],
+        "sidecar": [t.after_close for t in through],
+        "stop_ms_sidecar": [t.stop_ms for t in through],
+        "runs": runs,
+        "notes": NOTES,
+        "detail": [asdict(t) for t in trials],
+    }
+
+
+NOTES = (
+    f"Real vLLM 0.32 (CPU build, 2 cores) serving the e2e suite's random Llama (hidden 512, 4 "
+    f"layers, float32) behind a middleware that hides client disconnects; one streaming chat at a "
+    f"time, the client reads {READ_TOKENS} tokens and resets its connection. 'Tokens after the "
+    f"disconnect' = output tokens vLLM's scheduler accepted for the request after the client's "
+    f"close instant (a probe in the engine core logs the count after every step, CLOCK_MONOTONIC "
+    f"shared with the client), so tokens generated before the close but still in flight are not "
+    f"waste, and a step that ends after the close counts against the sidecar. Direct runs are "
+    f"capped at max_tokens={DIRECT_MAX_TOKENS}: there the figure is the cap minus what was "
+    f"generated before the close, not a property of vLLM. vllm:generation_tokens_total cannot give "
+    f"the figure: it stops counting a request once the API process has handled its abort, before "
+    f"the engine core has (detail: counter_after_close). stop_ms_sidecar is read from /metrics "
+    f"polled every 10 ms (up to ~15 ms late). tokens_per_s: the engine's decode rate for the "
+    f"stream before the close (median over runs)."
+)
+
+
+# --- CLI -------------------------------------------------------------------------------------------
+
+def format_table(result: dict[str, Any]) -> str:
+    rows = [("run", "direct", "sidecar", "sidecar stop ms")]
+    for i, (d, s, ms) in enumerate(zip(result["direct"], result["sidecar"],
+                                       result["stop_ms_sidecar"], strict=True)):
+        rows.append((str(i + 1), str(d), str(s), str(ms)))
+    chains = [t["chain_ms"] for t in result["detail"] if t["kind"] == "sidecar"]
+    lines = [f"tokens generated after the disconnect (real vLLM, {result['tokens_per_s']:.0f} "
+             f"tokens/s for one stream)"]
+    lines += ["  ".join(c.rjust(16) for c in r) for r in rows]
+    lines.append("sidecar chain, ms after the client's close (median over runs):")
+    for key in chains[0] if chains else ():
+        values = [c[key] for c in chains if c[key] is not None]
+        if values:
+            lines.append(f"  {key:24} {statistics.median(values):8.1f}   "
+                         f"(runs: {', '.join(f'{v:.1f}' for v in values)})")
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m bench.vllm_waste", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--quick", action="store_true", help="1 run each way instead of 5")
+    args = parser.parse_args(argv)
+    sys.path.insert(0, str(REPO))
+
+    def say(msg: str) -> None:
+        print(f"[vllm_waste {time.strftime('%H:%M:%S')}] {msg}", file=sys.stderr, flush=True)
+
+    try:
+        result = run(quick=args.quick, say=say)
+    except KeyboardInterrupt:
+        say("interrupted; every process stopped")
+        return 130
+    print(json.dumps(result, indent=2))
+    print(format_table(result))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
