@@ -1,4 +1,4 @@
-"""Tokens a real vLLM engine generates after a client disconnects, direct versus through the sidecar.
+"""Tokens a real vLLM engine generates after a client disconnects: direct versus via the sidecar.
 
 For the report: a client streams a chat from a real vLLM 0.32 engine (CPU build, the e2e suite's
 small random Llama) behind a middleware that hides disconnects from vLLM, reads 64 tokens and
@@ -14,16 +14,17 @@ roughly that rate times the close -> engine-abort time.
 Method (``run``): one vLLM server (``tests.e2e.vllm_server``, disconnect-hiding middleware, the
 ``E2E_MODEL_KWARGS`` model), one sidecar CLI subprocess (``tests.e2e.sidecar_process``), a raw
 client (``tests.e2e.measure.RawClient``) that closes with a RST, and ``MetricsSampler`` polling
-``/metrics`` every 10 ms. vLLM's own counter cannot give the figure: ``vllm:generation_tokens_total``
-is counted in the API process and skips every output of a request once the API process handled
-its abort (``v1/engine/output_processor.py``, ``process_outputs``: "Ignore output for
-already-aborted request"), while the engine core keeps stepping until the ABORT message reaches
-it. So the vLLM processes get small probes through a generated ``sitecustomize`` (``PYTHONPATH``
-of the vLLM subprocess only; vLLM's files are not changed): the engine core writes
-``(monotonic time, request id, output tokens)`` after every ``Scheduler.update_from_output`` and
-at every ``Scheduler.finish_requests``, and the API process the time ``AsyncLLM.abort`` starts.
-``time.monotonic`` is CLOCK_MONOTONIC, shared by every process on the machine, so these line up
-with the client's close instant and with the sidecar's log timestamps (wall clock, ms, converted).
+``/metrics`` every 10 ms. vLLM's own counter cannot give the figure:
+``vllm:generation_tokens_total`` is counted in the API process and skips every output of a
+request once the API process handled its abort (``v1/engine/output_processor.py``,
+``process_outputs``: "Ignore output for already-aborted request"), while the engine core keeps
+stepping until the ABORT message reaches it. So the vLLM processes get small probes through a
+generated ``sitecustomize`` (``PYTHONPATH`` of the vLLM subprocess only; vLLM's files are not
+changed): the engine core writes ``(monotonic time, request id, output tokens)`` after every
+``Scheduler.update_from_output`` and at every ``Scheduler.finish_requests``, and the API process
+the time ``AsyncLLM.abort`` starts. ``time.monotonic`` is CLOCK_MONOTONIC, shared by every
+process on the machine, so these line up with the client's close instant and with the sidecar's
+log timestamps (wall clock, ms, converted).
 
 Run: ``flock /tmp/bench.lock /work/main/.venv/bin/python -m bench.vllm_waste [--quick]``.
 """
@@ -169,7 +170,7 @@ class Trial:
 
 
 async def _trial(kind: str, base_url: str, model: Path, engine: Any, probes: Path,
-                 sidecar: Any | None) -> Trial:
+                 sidecar: Any | None, interval: float) -> Trial:
     from demo.__main__ import settled_tokens
     from tests.e2e.measure import MetricsSampler, RawClient
 
@@ -180,7 +181,7 @@ async def _trial(kind: str, base_url: str, model: Path, engine: Any, probes: Pat
     probe_mark = len(read_probes(probes))
     log_mark = len(sidecar.log_text()) if sidecar is not None else 0
     trial = Trial(kind)
-    with MetricsSampler(engine.base_url) as sampler:
+    with MetricsSampler(engine.base_url, interval=interval) as sampler:
         client = await RawClient.post(base_url, "/v1/chat/completions", body)
         arrivals: list[float] = []
         try:
@@ -215,9 +216,7 @@ async def _trial(kind: str, base_url: str, model: Path, engine: Any, probes: Pat
     trial.at_end = steps[-1]["n"]
     trial.after_close = trial.at_end - trial.at_close
     trial.counter_after_close = int(settled - before) - trial.at_close
-    window = [e for e in before_close if e["n"] >= RATE_FROM_TOKEN]
-    if len(window) >= 2 and window[-1]["t"] > window[0]["t"]:
-        trial.engine_rate = (window[-1]["n"] - window[0]["n"]) / (window[-1]["t"] - window[0]["t"])
+    trial.engine_rate = _engine_rate(before_close)
     chain["last_token_in_engine"] = _ms(after[-1]["t"] - t0) if after else 0.0
     api = next((e for e in events if e["ev"] == "api_abort"), None)
     finish = next((e for e in events if e["ev"] == "finish"), None)
@@ -226,6 +225,36 @@ async def _trial(kind: str, base_url: str, model: Path, engine: Any, probes: Pat
     if sidecar is not None:
         chain.update(_sidecar_chain(sidecar.log_text()[log_mark:], wall0))
     return trial
+
+
+def _engine_rate(steps: list[dict[str, Any]]) -> float:
+    """Tokens/s the engine accepted for one request, from token ``RATE_FROM_TOKEN`` on (past
+    the prefill and the first, slower steps); 0.0 if too few steps."""
+    window = [e for e in steps if e["n"] >= RATE_FROM_TOKEN]
+    if len(window) < 2 or window[-1]["t"] <= window[0]["t"]:
+        return 0.0
+    return (window[-1]["n"] - window[0]["n"]) / (window[-1]["t"] - window[0]["t"])
+
+
+async def _unobserved_rate(model: Path, engine: Any, probes: Path) -> float:
+    """The engine's decode rate for one stream with nobody polling ``/metrics`` and the client
+    reading the whole stream (``DIRECT_MAX_TOKENS`` tokens): what the engine does when the
+    measurement does not share its 2 cores."""
+    from tests.e2e.measure import RawClient
+
+    mark = len(read_probes(probes))
+    body = {"model": str(model), "messages": [{"role": "user", "content": "tell me a story"}],
+            "max_tokens": DIRECT_MAX_TOKENS, "ignore_eos": True, "temperature": 0,
+            "stream": True}
+    client = await RawClient.post(engine.base_url, "/v1/chat/completions", body)
+    try:
+        await client.read_head()
+        async with asyncio.timeout(60):
+            while (line := await client.reader.readline()) and b"[DONE]" not in line:
+                pass
+    finally:
+        await client.disconnect("close")
+    return _engine_rate([e for e in read_probes(probes)[mark:] if e["ev"] == "step"])
 
 
 def _tokens_in(event: bytes) -> int:
@@ -256,7 +285,8 @@ def _sidecar_chain(log: str, wall0: float) -> dict[str, float | None]:
         msg = rec.get("msg", "")
         if "upstream closed, aborting" in msg and out["sidecar_noticed"] is None:
             out["sidecar_noticed"] = _ms(ts - wall0)
-        elif msg.startswith("engine ") and " aborted " in msg and out["abort_call_answered"] is None:
+        elif (msg.startswith("engine ") and " aborted " in msg
+              and out["abort_call_answered"] is None):
             took = float(msg.split(" in ")[1].split(" ms")[0])
             out["abort_call_answered"] = _ms(ts - wall0)
             out["abort_call_sent"] = round(out["abort_call_answered"] - took, 2)
@@ -264,19 +294,22 @@ def _sidecar_chain(log: str, wall0: float) -> dict[str, float | None]:
 
 
 async def _measure(model: Path, engine: Any, sidecar: Any, probes: Path, runs: int,
-                   say: Callable[[str], None]) -> list[Trial]:
+                   interval: float, say: Callable[[str], None]) -> tuple[float, list[Trial]]:
+    unobserved = await _unobserved_rate(model, engine, probes)
+    say(f"decode rate, one stream, nobody polling /metrics: {unobserved:.0f} tokens/s")
     trials = []
     for i in range(runs):
         for kind, url, sc in (("direct", engine.base_url, None),
                               ("sidecar", sidecar.base_url, sidecar)):
-            trial = await _trial(kind, url, model, engine, probes, sc)
+            trial = await _trial(kind, url, model, engine, probes, sc, interval)
             say(f"run {i + 1}/{runs} {kind}: {trial.after_close} tokens after the close "
                 f"({trial.engine_rate:.0f} tokens/s, stop {trial.stop_ms} ms)")
             trials.append(trial)
-    return trials
+    return unobserved, trials
 
 
-def run(quick: bool = False, say: Callable[[str], None] | None = None) -> dict[str, Any]:
+def run(quick: bool = False, say: Callable[[str], None] | None = None,
+        metrics_interval: float = 0.01) -> dict[str, Any]:
     """Start vLLM (real engine, CPU, disconnect-hiding middleware) and the sidecar CLI, abandon
     ``runs`` streams each way, stop everything (also on errors and Ctrl-C), return the figures:
     ``tokens_per_s`` (median engine decode rate of one stream before the close), ``direct`` and
@@ -309,7 +342,8 @@ def run(quick: bool = False, say: Callable[[str], None] | None = None) -> dict[s
             say(f"vLLM up in {engine.start_seconds:.0f} s; starting the sidecar")
             sidecar = start_sidecar(engine.base_url, tmp / "sidecar")
             assert read_probes(probes), "expected probe lines from vLLM (sitecustomize not loaded?)"
-            trials = asyncio.run(_measure(model, engine, sidecar, probes, runs, say))
+            unobserved, trials = asyncio.run(
+                _measure(model, engine, sidecar, probes, runs, metrics_interval, say))
     finally:
         if sidecar is not None:
             sidecar.stop()
@@ -324,6 +358,8 @@ def run(quick: bool = False, say: Callable[[str], None] | None = None) -> dict[s
         "stop_ms_sidecar": [t.stop_ms for t in through],
         "runs": runs,
         "notes": NOTES,
+        "tokens_per_s_unobserved": round(unobserved, 1),
+        "metrics_interval_s": metrics_interval,
         "detail": [asdict(t) for t in trials],
     }
 
@@ -345,7 +381,7 @@ NOTES = (
 )
 
 
-# --- CLI -------------------------------------------------------------------------------------------
+# --- CLI ------------------------------------------------------------------------------------------
 
 def format_table(result: dict[str, Any]) -> str:
     rows = [("run", "direct", "sidecar", "sidecar stop ms")]
@@ -369,6 +405,8 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m bench.vllm_waste", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--quick", action="store_true", help="1 run each way instead of 5")
+    parser.add_argument("--metrics-interval", type=float, default=0.01, metavar="S",
+                        help="seconds between /metrics polls during a trial (default 0.01)")
     args = parser.parse_args(argv)
     sys.path.insert(0, str(REPO))
 
@@ -376,7 +414,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"[vllm_waste {time.strftime('%H:%M:%S')}] {msg}", file=sys.stderr, flush=True)
 
     try:
-        result = run(quick=args.quick, say=say)
+        result = run(quick=args.quick, say=say, metrics_interval=args.metrics_interval)
     except KeyboardInterrupt:
         say("interrupted; every process stopped")
         return 130
