@@ -158,7 +158,8 @@ class Trial:
     """One abandoned request. Times in ms from the client's close; None: not seen."""
 
     kind: str                      # "direct" or "sidecar"
-    received: int = 0              # content events the client read (one token each)
+    received: int = 0              # tokens the client had received at the close (vLLM's usage)
+    events: int = 0                # SSE events they came in (fewer: vLLM merged deltas)
     client_rate: float = 0.0       # tokens/s the client received before leaving
     engine_rate: float = 0.0       # tokens/s the engine accepted for the request before the close
     at_close: int = 0              # output tokens the engine had accepted at the close instant
@@ -176,20 +177,23 @@ async def _trial(kind: str, base_url: str, model: Path, engine: Any, probes: Pat
 
     max_tokens = DIRECT_MAX_TOKENS if kind == "direct" else SIDECAR_MAX_TOKENS
     body = {"model": str(model), "messages": [{"role": "user", "content": "tell me a story"}],
-            "max_tokens": max_tokens, "ignore_eos": True, "temperature": 0, "stream": True}
+            "max_tokens": max_tokens, "ignore_eos": True, "temperature": 0, "stream": True,
+            "stream_options": {"include_usage": True, "continuous_usage_stats": True}}
     before = await settled_tokens(engine)
     probe_mark = len(read_probes(probes))
     log_mark = len(sidecar.log_text()) if sidecar is not None else 0
     trial = Trial(kind)
     with MetricsSampler(engine.base_url, interval=interval) as sampler:
         client = await RawClient.post(base_url, "/v1/chat/completions", body)
-        arrivals: list[float] = []
+        arrivals: list[tuple[float, int]] = []  # (monotonic s, completion tokens received)
         try:
             await client.read_head()
             assert client.status == 200, f"expected 200 from {base_url}, got {client.status}"
-            while len(arrivals) < READ_TOKENS:
+            while not arrivals or arrivals[-1][1] < READ_TOKENS:
                 (event,) = await client.read_events(1)
-                arrivals += [time.monotonic()] * _tokens_in(event)
+                tokens = _completion_tokens(event)
+                if tokens:
+                    arrivals.append((time.monotonic(), tokens))
         finally:
             wall0 = time.time()
             t0 = await client.disconnect("abort")
@@ -198,9 +202,11 @@ async def _trial(kind: str, base_url: str, model: Path, engine: Any, probes: Pat
         await asyncio.sleep(QUIET_S)
         report = sampler.stop_report(t0)
     settled = await settled_tokens(engine)
-    trial.received = len(arrivals)
-    span = arrivals[-1] - arrivals[RATE_FROM_TOKEN]
-    trial.client_rate = (len(arrivals) - 1 - RATE_FROM_TOKEN) / span if span > 0 else 0.0
+    trial.received = arrivals[-1][1]
+    trial.events = len(arrivals)
+    first = next(a for a in arrivals if a[1] >= RATE_FROM_TOKEN)
+    span = arrivals[-1][0] - first[0]
+    trial.client_rate = (arrivals[-1][1] - first[1]) / span if span > 0 else 0.0
     trial.stop_ms = report.ms_to_idle
     chain = trial.chain_ms
     chain["running_0_at_metrics"] = report.ms_to_idle
@@ -257,13 +263,13 @@ async def _unobserved_rate(model: Path, engine: Any, probes: Path) -> float:
     return _engine_rate([e for e in read_probes(probes)[mark:] if e["ev"] == "step"])
 
 
-def _tokens_in(event: bytes) -> int:
-    """1 if an SSE chat event carries generated text (vLLM sends one token per event unless its
-    API process falls behind and merges deltas; then this undercounts the client's view only)."""
+def _completion_tokens(event: bytes) -> int:
+    """``usage.completion_tokens`` of an SSE chat event (vLLM adds it to every event with
+    ``stream_options.continuous_usage_stats``): the tokens the client has received so far, also
+    when vLLM's API process, falling behind, merged several tokens into one event. 0: none."""
     if not event.startswith(b"data: {"):
         return 0
-    choices = json.loads(event[6:]).get("choices") or [{}]
-    return int(bool((choices[0].get("delta") or {}).get("content")))
+    return int((json.loads(event[6:]).get("usage") or {}).get("completion_tokens") or 0)
 
 
 def _ms(seconds: float) -> float:
