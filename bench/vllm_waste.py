@@ -35,8 +35,10 @@ import argparse
 import asyncio
 import importlib.abc
 import importlib.machinery
+import itertools
 import json
 import os
+import queue
 import statistics
 import sys
 import tempfile
@@ -64,7 +66,8 @@ FULL_RUNS, QUICK_RUNS = 5, 1
 def install_probes() -> None:
     """Patch vLLM classes as they are imported (this process and its children) to append JSON
     lines to the file named by ``$BENCH_VLLM_PROBE_FILE``: ``step`` (per scheduled request after
-    each engine step: ``id`` internal request id, ``n`` output tokens so far), ``finish``
+    each engine step: ``id`` internal request id, ``n`` output tokens so far),
+    ``abort_received`` (the engine core's input thread got an ABORT message), ``finish``
     (``Scheduler.finish_requests``: ids, status, output tokens) and ``api_abort``
     (``AsyncLLM.abort`` entered, external ids). ``t`` is ``time.monotonic()`` seconds."""
     path = os.environ[PROBE_ENV]
@@ -105,7 +108,23 @@ def install_probes() -> None:
 
         cls.abort = abort_probe
 
+    class AbortsQueue(queue.Queue):  # type: ignore[type-arg]
+        def put_nowait(self, item: Any) -> None:
+            emit("abort_received", ids=list(item) if not isinstance(item, str) else [item])
+            super().put_nowait(item)
+
+    def patch_engine_core(module: ModuleType) -> None:
+        cls = module.EngineCore
+        init = cls.__init__
+
+        def init_probe(self: Any, *args: Any, **kwargs: Any) -> None:
+            init(self, *args, **kwargs)
+            self.aborts_queue = AbortsQueue()  # the input thread puts every ABORT here
+
+        cls.__init__ = init_probe
+
     sys.meta_path.insert(0, _PatchOnImport({
+        "vllm.v1.engine.core": patch_engine_core,
         "vllm.v1.core.sched.scheduler": patch_scheduler,
         "vllm.v1.engine.async_llm": patch_async_llm,
     }))
@@ -227,7 +246,12 @@ async def _trial(kind: str, base_url: str, model: Path, engine: Any, probes: Pat
     api = next((e for e in events if e["ev"] == "api_abort"), None)
     finish = next((e for e in events if e["ev"] == "finish"), None)
     chain["vllm_api_abort_task"] = _ms(api["t"] - t0) if api else None
-    chain["engine_core_abort"] = _ms(finish["t"] - t0) if finish else None
+    received = next((e for e in events if e["ev"] == "abort_received"), None)
+    chain["engine_core_abort_received"] = _ms(received["t"] - t0) if received else None
+    chain["engine_core_abort_applied"] = _ms(finish["t"] - t0) if finish else None
+    chain["last_step_before_close"] = _ms(before_close[-1]["t"] - t0) if before_close else None
+    gaps = [b["t"] - a["t"] for a, b in itertools.pairwise(before_close[-20:])]
+    chain["step_interval_before_close"] = _ms(statistics.median(gaps)) if gaps else None
     if sidecar is not None:
         chain.update(_sidecar_chain(sidecar.log_text()[log_mark:], wall0))
     return trial
