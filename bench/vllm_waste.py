@@ -413,18 +413,34 @@ NOTES = (
 
 # --- CLI ------------------------------------------------------------------------------------------
 
+CHAIN_ORDER = (
+    "step_interval_before_close",   # the engine's step time (1 token per step)
+    "last_step_before_close",       # the engine accepted its last pre-close token here
+    "sidecar_noticed",              # sidecar log, ms resolution (can read up to 1 ms early)
+    "abort_call_sent",              # sidecar log: answered minus the call's own duration
+    "abort_call_answered",          # sidecar log: vLLM's empty 200
+    "vllm_api_abort_task",          # vLLM API process: AsyncLLM.abort starts (background task)
+    "engine_core_abort_received",   # engine core input thread: ABORT message in
+    "engine_core_abort_applied",    # Scheduler.finish_requests: the request leaves the batch
+    "last_token_in_engine",         # last token accepted after the close (0: none)
+    "last_counter_increase",        # /metrics: vllm:generation_tokens_total stops
+    "running_0_at_metrics",         # /metrics: vllm:num_requests_running == 0
+)
+
+
 def format_table(result: dict[str, Any]) -> str:
-    rows = [("run", "direct", "sidecar", "sidecar stop ms")]
-    for i, (d, s, ms) in enumerate(zip(result["direct"], result["sidecar"],
-                                       result["stop_ms_sidecar"], strict=True)):
-        rows.append((str(i + 1), str(d), str(s), str(ms)))
+    rows = [("run", "direct", "sidecar", "sidecar stop ms", "tokens/s")]
+    through = [t for t in result["detail"] if t["kind"] == "sidecar"]
+    for i, (d, s, ms, t) in enumerate(zip(result["direct"], result["sidecar"],
+                                          result["stop_ms_sidecar"], through, strict=True)):
+        rows.append((str(i + 1), str(d), str(s), str(ms), f"{t['engine_rate']:.0f}"))
     chains = [t["chain_ms"] for t in result["detail"] if t["kind"] == "sidecar"]
     lines = [f"tokens generated after the disconnect (real vLLM, {result['tokens_per_s']:.0f} "
              f"tokens/s for one stream)"]
     lines += ["  ".join(c.rjust(16) for c in r) for r in rows]
     lines.append("sidecar chain, ms after the client's close (median over runs):")
-    for key in chains[0] if chains else ():
-        values = [c[key] for c in chains if c[key] is not None]
+    for key in CHAIN_ORDER:
+        values = [c[key] for c in chains if c.get(key) is not None]
         if values:
             lines.append(f"  {key:24} {statistics.median(values):8.1f}   "
                          f"(runs: {', '.join(f'{v:.1f}' for v in values)})")
