@@ -231,7 +231,16 @@ async def _trial(kind: str, base_url: str, model: Path, engine: Any, probes: Pat
     chain["running_0_at_metrics"] = report.ms_to_idle
     chain["last_counter_increase"] = report.ms_to_last_token
 
-    events = read_probes(probes)[probe_mark:]
+    _engine_view(trial, read_probes(probes)[probe_mark:], t0)
+    trial.counter_after_close = int(settled - before) - trial.at_close
+    if sidecar is not None:
+        chain.update(_sidecar_chain(sidecar.log_text()[log_mark:], wall0))
+    return trial
+
+
+def _engine_view(trial: Trial, events: list[dict[str, Any]], t0: float) -> None:
+    """Fill ``trial`` from the probe lines written during it (see :func:`install_probes`)."""
+    chain = trial.chain_ms
     steps = [e for e in events if e["ev"] == "step"]
     ids = {e["id"] for e in steps}
     assert len(ids) == 1, f"expected one request in the engine during the trial, saw {ids}"
@@ -240,7 +249,6 @@ async def _trial(kind: str, base_url: str, model: Path, engine: Any, probes: Pat
     trial.at_close = before_close[-1]["n"] if before_close else 0
     trial.at_end = steps[-1]["n"]
     trial.after_close = trial.at_end - trial.at_close
-    trial.counter_after_close = int(settled - before) - trial.at_close
     trial.engine_rate = _engine_rate(before_close)
     chain["last_token_in_engine"] = _ms(after[-1]["t"] - t0) if after else 0.0
     api = next((e for e in events if e["ev"] == "api_abort"), None)
@@ -252,9 +260,6 @@ async def _trial(kind: str, base_url: str, model: Path, engine: Any, probes: Pat
     chain["last_step_before_close"] = _ms(before_close[-1]["t"] - t0) if before_close else None
     gaps = [b["t"] - a["t"] for a, b in itertools.pairwise(before_close[-20:])]
     chain["step_interval_before_close"] = _ms(statistics.median(gaps)) if gaps else None
-    if sidecar is not None:
-        chain.update(_sidecar_chain(sidecar.log_text()[log_mark:], wall0))
-    return trial
 
 
 def _engine_rate(steps: list[dict[str, Any]]) -> float:
