@@ -55,7 +55,7 @@ REPO = Path(__file__).resolve().parents[1]
 
 READ_TOKENS = 64           # tokens the client reads before it leaves (~0.25 s at 250 tokens/s)
 RATE_FROM_TOKEN = 16       # the decode rate is measured from this token to the close
-DIRECT_MAX_TOKENS = 512    # cap of the direct runs: vLLM generates until here for nobody
+DIRECT_MAX_TOKENS = 1024   # cap of the direct runs: vLLM generates until here for nobody
 SIDECAR_MAX_TOKENS = 4000  # never reached through the sidecar (~16 s)
 QUIET_S = 0.5              # after running == 0, watch this long that nothing more is counted
 FULL_RUNS, QUICK_RUNS = 5, 1
@@ -187,6 +187,7 @@ class Trial:
     counter_after_close: int = 0   # settled generation_tokens_total delta - at_close
     stop_ms: float | None = None   # /metrics: first sample with running == waiting == 0
     chain_ms: dict[str, float | None] = field(default_factory=dict)
+    sidecar_log: list[str] = field(default_factory=list)
 
 
 async def _trial(kind: str, base_url: str, model: Path, engine: Any, probes: Path,
@@ -234,7 +235,9 @@ async def _trial(kind: str, base_url: str, model: Path, engine: Any, probes: Pat
     _engine_view(trial, read_probes(probes)[probe_mark:], t0)
     trial.counter_after_close = int(settled - before) - trial.at_close
     if sidecar is not None:
-        chain.update(_sidecar_chain(sidecar.log_text()[log_mark:], wall0))
+        found = _sidecar_chain(sidecar.log_text()[log_mark:], wall0)
+        trial.sidecar_log = found.pop("sidecar_log")
+        chain.update(found)
     return trial
 
 
@@ -305,12 +308,13 @@ def _ms(seconds: float) -> float:
     return round(seconds * 1000, 2)
 
 
-def _sidecar_chain(log: str, wall0: float) -> dict[str, float | None]:
+def _sidecar_chain(log: str, wall0: float) -> dict[str, Any]:
     """From the sidecar's JSON log (wall clock, ms resolution): when it noticed the disconnect
     (its "upstream closed, aborting" line), when the abort call went out and was answered (the
-    "engine ... aborted ... in X ms" line: its time minus X), ms after the close at ``wall0``."""
-    out: dict[str, float | None] = {"sidecar_noticed": None, "abort_call_sent": None,
-                                    "abort_call_answered": None}
+    "engine ... aborted ... in X ms" line: its time minus X), ms after the close at ``wall0``;
+    ``sidecar_log``: the trial's log lines (not the access line), as "+MS ms LEVEL message"."""
+    out: dict[str, Any] = {"sidecar_noticed": None, "abort_call_sent": None,
+                           "abort_call_answered": None, "sidecar_log": []}
     for line in log.splitlines():
         try:
             rec = json.loads(line)
@@ -318,6 +322,8 @@ def _sidecar_chain(log: str, wall0: float) -> dict[str, float | None]:
             continue
         ts = datetime.fromisoformat(rec["ts"].replace("Z", "+00:00")).timestamp()
         msg = rec.get("msg", "")
+        if msg != "request":  # the access line's fields are in the metrics already
+            out["sidecar_log"].append(f"{_ms(ts - wall0):+.0f} ms {rec['level']} {msg}")
         if "upstream closed, aborting" in msg and out["sidecar_noticed"] is None:
             out["sidecar_noticed"] = _ms(ts - wall0)
         elif (msg.startswith("engine ") and " aborted " in msg
