@@ -271,7 +271,7 @@ def _engine_rate(steps: list[dict[str, Any]]) -> float:
     window = [e for e in steps if e["n"] >= RATE_FROM_TOKEN]
     if len(window) < 2 or window[-1]["t"] <= window[0]["t"]:
         return 0.0
-    return (window[-1]["n"] - window[0]["n"]) / (window[-1]["t"] - window[0]["t"])
+    return float(window[-1]["n"] - window[0]["n"]) / (window[-1]["t"] - window[0]["t"])
 
 
 async def _unobserved_rate(model: Path, engine: Any, probes: Path) -> float:
@@ -329,8 +329,8 @@ def _sidecar_chain(log: str, wall0: float) -> dict[str, Any]:
         elif (msg.startswith("engine ") and " aborted " in msg
               and out["abort_call_answered"] is None):
             took = float(msg.split(" in ")[1].split(" ms")[0])
-            out["abort_call_answered"] = _ms(ts - wall0)
-            out["abort_call_sent"] = round(out["abort_call_answered"] - took, 2)
+            answered = out["abort_call_answered"] = _ms(ts - wall0)
+            out["abort_call_sent"] = round(answered - took, 2)
     return out
 
 
