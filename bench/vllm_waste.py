@@ -271,7 +271,9 @@ def _engine_rate(steps: list[dict[str, Any]]) -> float:
     window = [e for e in steps if e["n"] >= RATE_FROM_TOKEN]
     if len(window) < 2 or window[-1]["t"] <= window[0]["t"]:
         return 0.0
-    return float(window[-1]["n"] - window[0]["n"]) / (window[-1]["t"] - window[0]["t"])
+    tokens: int = window[-1]["n"] - window[0]["n"]
+    seconds: float = window[-1]["t"] - window[0]["t"]
+    return tokens / seconds
 
 
 async def _unobserved_rate(model: Path, engine: Any, probes: Path) -> float:
