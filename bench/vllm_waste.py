@@ -209,6 +209,8 @@ async def _trial(kind: str, base_url: str, model: Path, engine: Any, probes: Pat
         try:
             await client.read_head()
             assert client.status == 200, f"expected 200 from {base_url}, got {client.status}"
+            # stop_report needs a sample from before the close (the first one can be slow)
+            await sampler.wait_for(lambda s: s.running >= 1, 30, "a running request")
             while not arrivals or arrivals[-1][1] < READ_TOKENS:
                 (event,) = await client.read_events(1)
                 tokens = _completion_tokens(event)
