@@ -1,32 +1,61 @@
 """Tokens a real vLLM engine generates after a client disconnects: direct versus via the sidecar.
 
-For the report: a client streams a chat from a real vLLM 0.32 engine (CPU build, the e2e suite's
-small random Llama) behind a middleware that hides disconnects from vLLM, reads 64 tokens and
-closes its connection. Straight to vLLM the engine goes on to ``max_tokens`` (capped here at
-``DIRECT_MAX_TOKENS``, so the direct figure is bounded by the cap, not by anything vLLM does);
-through the sidecar the abort call stops it. "Tokens generated after the disconnect" are the
-tokens vLLM's scheduler accepted for the request after the client's close instant, counted
-inside the engine core (the step-by-step count, not the client's view), so tokens that were
-generated before the close but still in flight are not counted as waste. ``tokens_per_s`` is the
-engine's measured single-stream decode rate in the same run: waste through the sidecar is
-roughly that rate times the close -> engine-abort time.
+For the report: on the e2e suite's real vLLM 0.32 engine (CPU build, small random Llama, one
+stream decoding ~110-380 tokens/s on this shared 2-core box), behind a middleware that hides
+client disconnects from vLLM, a client reads 64 tokens of a streaming chat and resets its
+connection. Straight to vLLM the engine generates on to ``max_tokens`` for nobody (capped at
+``DIRECT_MAX_TOKENS`` = 1024 here, so the direct figure is "all that was left", bounded by the
+cap); through the sidecar it accepts 0-2 more tokens in most runs. "Tokens generated after the
+disconnect" are output tokens vLLM's scheduler accepted for the request after the client's
+close instant, counted inside the engine core, so tokens generated before the close but still on
+their way to the client are not waste. The rarer larger figures come from delays on the abort's
+way through vLLM's API process (it answered the abort call 24-65 ms late in those runs), while
+the sidecar sends the call within ~1 ms of the close.
 
-Method (``run``): one vLLM server (``tests.e2e.vllm_server``, disconnect-hiding middleware, the
+Method (``run``): one vLLM server (``tests.e2e.vllm_server``, ``HideDisconnectMiddleware``, the
 ``E2E_MODEL_KWARGS`` model), one sidecar CLI subprocess (``tests.e2e.sidecar_process``), a raw
-client (``tests.e2e.measure.RawClient``) that closes with a RST, and ``MetricsSampler`` polling
-``/metrics`` every 10 ms. vLLM's own counter cannot give the figure:
-``vllm:generation_tokens_total`` is counted in the API process and skips every output of a
-request once the API process handled its abort (``v1/engine/output_processor.py``,
-``process_outputs``: "Ignore output for already-aborted request"), while the engine core keeps
-stepping until the ABORT message reaches it. So the vLLM processes get small probes through a
-generated ``sitecustomize`` (``PYTHONPATH`` of the vLLM subprocess only; vLLM's files are not
-changed): the engine core writes ``(monotonic time, request id, output tokens)`` after every
-``Scheduler.update_from_output`` and at every ``Scheduler.finish_requests``, and the API process
-the time ``AsyncLLM.abort`` starts. ``time.monotonic`` is CLOCK_MONOTONIC, shared by every
-process on the machine, so these line up with the client's close instant and with the sidecar's
-log timestamps (wall clock, ms, converted).
+client (``tests.e2e.measure.RawClient``) that resets its connection once vLLM's
+``continuous_usage_stats`` say it has received 64 tokens, and ``MetricsSampler`` polling
+``/metrics`` every 10 ms (``stop_ms_sidecar``: close -> ``vllm:num_requests_running`` == 0).
+vLLM's own counter cannot give the figure: ``vllm:generation_tokens_total`` is counted in the
+API process, which skips every output of a request once it has handled its abort
+(``v1/engine/output_processor.py`` lines 712-715, "Ignore output for already-aborted request"),
+while the engine core goes on stepping until the ABORT message reaches it; and the client's own
+count lags the engine by up to ~450 tokens when the box is loaded. So the vLLM processes get
+probes through a generated ``sitecustomize`` (on the ``PYTHONPATH`` of the vLLM subprocess only;
+no vLLM file changes): the engine core logs ``(time, request id, output tokens)`` after every
+``Scheduler.update_from_output``, each ABORT reaching its input thread, and each
+``Scheduler.finish_requests``; the API process logs when ``AsyncLLM.abort`` starts. Times are
+``time.monotonic()`` (CLOCK_MONOTONIC, one clock for every process on the machine), so they line
+up with the client's close and with the sidecar's log lines (wall clock, ms, converted).
 
-Run: ``flock /tmp/bench.lock /work/main/.venv/bin/python -m bench.vllm_waste [--quick]``.
+The chain after the close (``chain_ms`` of each trial; vLLM 0.32 source under
+``site-packages/vllm``), and what bounds the sidecar figure:
+
+1. the sidecar notices the reset and queues the abort (~0 ms), sends the call (0.0-2.3 ms);
+2. vLLM's API process answers 200 *before* it aborts anything
+   (``entrypoints/scale_out/token_in_token_out/api_router.py`` line 97,
+   ``asyncio.create_task(engine_client(raw_request).abort(request_ids))``);
+3. ``AsyncLLM.abort`` (``v1/engine/async_llm.py`` lines 911-919) drops the request from the
+   output processor (the counter stops here) and sends ABORT over ZMQ
+   (``v1/engine/core_client.py`` line 1301);
+4. the engine core's input thread puts it on ``aborts_queue`` (``v1/engine/core.py`` line 1928);
+   the busy loop applies it right before the current step's output is accepted (``core.py``
+   lines 678-682: ``_process_aborts_queue()``, then ``update_from_output``), so the step in
+   flight yields no token;
+5. ``vllm:num_requests_running`` reads 0 at ``/metrics`` 20-120 ms after the close (metric
+   publication plus the poll; not the engine).
+
+A token counts against the sidecar only when a step *ends* between the close and step 4; a step
+is ~2.5-8 ms here (one token per step: ``platforms/cpu.py`` line 331 turns async scheduling off
+on CPU). So the figure is about (close -> step 4) / step time. The sidecar's share of that is
+< ~2 ms; the rest, typically 3-15 ms and up to ~70 ms, is vLLM's HTTP handler, background task
+and ZMQ hop, in an API process that shares one core with the sidecar, this client and its
+``/metrics`` poller (vLLM binds its compute threads to the other core,
+``utils/ompmultiprocessing.py``).
+
+Run: ``flock /tmp/bench.lock /work/main/.venv/bin/python -m bench.vllm_waste [--quick]``
+(full: 5 runs each way, ~2 min including vLLM's start; quick: 1 each way, ~1 min).
 """
 
 from __future__ import annotations
@@ -402,28 +431,33 @@ def run(quick: bool = False, say: Callable[[str], None] | None = None,
         "sidecar": [t.after_close for t in through],
         "stop_ms_sidecar": [t.stop_ms for t in through],
         "runs": runs,
-        "notes": NOTES,
+        "notes": _notes(metrics_interval),
         "tokens_per_s_unobserved": round(unobserved, 1),
         "metrics_interval_s": metrics_interval,
         "detail": [asdict(t) for t in trials],
     }
 
 
-NOTES = (
-    f"Real vLLM 0.32 (CPU build, 2 cores) serving the e2e suite's random Llama (hidden 512, 4 "
-    f"layers, float32) behind a middleware that hides client disconnects; one streaming chat at a "
-    f"time, the client reads {READ_TOKENS} tokens and resets its connection. 'Tokens after the "
-    f"disconnect' = output tokens vLLM's scheduler accepted for the request after the client's "
-    f"close instant (a probe in the engine core logs the count after every step, CLOCK_MONOTONIC "
-    f"shared with the client), so tokens generated before the close but still in flight are not "
-    f"waste, and a step that ends after the close counts against the sidecar. Direct runs are "
-    f"capped at max_tokens={DIRECT_MAX_TOKENS}: there the figure is the cap minus what was "
-    f"generated before the close, not a property of vLLM. vllm:generation_tokens_total cannot give "
-    f"the figure: it stops counting a request once the API process has handled its abort, before "
-    f"the engine core has (detail: counter_after_close). stop_ms_sidecar is read from /metrics "
-    f"polled every 10 ms (up to ~15 ms late). tokens_per_s: the engine's decode rate for the "
-    f"stream before the close (median over runs)."
-)
+def _notes(interval: float) -> str:
+    return (
+        f"Real vLLM 0.32 (CPU build) serving the e2e suite's random Llama (hidden 512, 4 layers, "
+        f"float32) on a 2-core box shared with other jobs, behind a middleware that hides client "
+        f"disconnects from vLLM; one streaming chat at a time; the client resets its connection "
+        f"once vLLM's continuous usage stats say it has received {READ_TOKENS} tokens. 'Tokens "
+        f"after the disconnect' = output tokens vLLM's scheduler accepted for the request after "
+        f"the client's close instant, from a probe in the engine core (count after every step, "
+        f"CLOCK_MONOTONIC shared with the client): tokens generated before the close but still "
+        f"in flight to the client are not waste; a step that ends after the close counts "
+        f"against the sidecar even if it began before. Direct runs are capped at max_tokens="
+        f"{DIRECT_MAX_TOKENS}: there the figure is the cap minus what the engine had generated "
+        f"at the close (the client can lag the engine by hundreds of tokens on a loaded box, "
+        f"which lowers it), not a property of vLLM. vllm:generation_tokens_total cannot give "
+        f"the figure: it stops counting a request once the API process has handled its abort, "
+        f"before the engine core has (detail: counter_after_close). tokens_per_s: median over "
+        f"all trials of the engine's decode rate for the stream before the close; it varies "
+        f"~2x between runs with the load on the box. stop_ms_sidecar: from /metrics polled every "
+        f"{interval * 1000:.0f} ms (tens of ms late). Sidecar log times have ms resolution."
+    )
 
 
 # --- CLI ------------------------------------------------------------------------------------------
