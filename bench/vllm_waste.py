@@ -6,13 +6,14 @@ client disconnects from vLLM, a client reads 64 tokens of a streaming chat and r
 connection. Straight to vLLM the engine generates on to ``max_tokens`` for nobody (capped at
 ``DIRECT_MAX_TOKENS`` = 1024 here, so the direct figure is "all that was left", bounded by the
 cap); through the sidecar it accepts 0-2 more tokens in most runs. "Tokens generated after the
-disconnect" are output tokens vLLM's scheduler accepted for the request after the client's
-close instant, counted inside the engine core, so tokens generated before the close but still on
-their way to the client are not waste. Measured 2026-11-29 over 30 sidecar runs: median 1, 25
-runs <= 5 (the target); 4 runs got 6-21 tokens because vLLM's API process answered the abort call
-24-65 ms late under CPU contention, and one got 742 after an unexplained 2.4 s gap between the
-sidecar noticing the close and its call leaving (not seen again in 25 runs); otherwise the
-sidecar's call leaves within ~2 ms of the close (median 0.4 ms).
+disconnect" are output tokens vLLM's scheduler accepted for the request after the client's close
+instant, counted inside the engine core, so tokens generated before the close but still on their
+way to the client are not waste. Measured 2026-11-29 over 30 sidecar runs: median 1, 25 runs <=
+5 (the target); 3 runs got 8-21 tokens because vLLM's API process answered the abort call 24-65
+ms late under CPU contention, one got 6 (its detail was lost), and one got 742 after an
+unexplained 2.4 s gap between the sidecar noticing the close and its call leaving (not seen
+again in 25 runs); otherwise the sidecar's call leaves within ~2 ms of the close (median 0.4
+ms).
 
 Method (``run``): one vLLM server (``tests.e2e.vllm_server``, ``HideDisconnectMiddleware``, the
 ``E2E_MODEL_KWARGS`` model), one sidecar CLI subprocess (``tests.e2e.sidecar_process``), a raw
