@@ -35,9 +35,8 @@ import json
 import resource
 import signal
 import time
-from urllib.parse import parse_qsl
-
 from typing import cast
+from urllib.parse import parse_qsl
 
 import uvloop
 
@@ -92,9 +91,9 @@ class Stream:
         created = int(time.time())
         # Everything after the timestamp: an OpenAI chat chunk of realistic size.
         self.event_tail = (
-            ',"id":"%s","object":"chat.completion.chunk","created":%d,"model":"bench/fake-'
-            'model-7b","choices":[{"index":0,"delta":{"content":" token"},"logprobs":null,'
-            '"finish_reason":null}]}\n\n' % (engine_id, created)).encode()
+            f',"id":"{engine_id}","object":"chat.completion.chunk","created":{created},'
+            '"model":"bench/fake-model-7b","choices":[{"index":0,"delta":{"content":" token"},'
+            '"logprobs":null,"finish_reason":null}]}\n\n').encode()
 
     def event(self) -> bytes:
         payload = b'data: {"t":%d%s' % (time.monotonic_ns(), self.event_tail)

@@ -22,7 +22,7 @@ from contextlib import suppress
 from pathlib import Path
 from typing import Any
 
-import psutil
+import psutil  # type: ignore[import-untyped]
 import yaml
 
 REPO = Path(__file__).resolve().parent.parent
@@ -87,8 +87,9 @@ class Proc:
 
 
 async def _spawn(name: str, argv: list[str], log_dir: Path, *, stdin: bool = False) -> Proc:
-    out = open(log_dir / f"{name}.stdout", "wb")  # noqa: SIM115 - the child owns it
-    err = open(log_dir / f"{name}.stderr", "wb")  # noqa: SIM115
+    # Plain files, not pipes: nothing has to read them for the child to go on writing.
+    out = open(log_dir / f"{name}.stdout", "wb")  # noqa: ASYNC230 - local file, at start
+    err = open(log_dir / f"{name}.stderr", "wb")  # noqa: ASYNC230
     try:
         proc = await asyncio.create_subprocess_exec(
             *argv, cwd=REPO, stdout=asyncio.subprocess.PIPE if stdin else out, stderr=err,
@@ -160,7 +161,7 @@ http {{
         keepalive_requests 1000000;
     }}
     server {{
-        listen 127.0.0.1:{port} backlog=4096;
+        listen 127.0.0.1:{port} backlog=4096 reuseport;
         location / {{
             proxy_pass http://engine;
             proxy_http_version 1.1;
@@ -193,7 +194,7 @@ async def start_nginx(log_dir: Path, engine_port: int, workers: int, nofile: int
     prefix.mkdir(exist_ok=True)
     conf = prefix / "nginx.conf"
     conf.write_text(NGINX_CONF.format(
-        workers=workers, nofile=nofile, dir=prefix, connections=min(32768, nofile // 2),
+        workers=workers, nofile=nofile, dir=prefix, connections=max(1024, nofile - 100),
         engine_port=engine_port, port=port))
     proc = await _spawn("nginx", [binary, "-c", str(conf), "-p", str(prefix),
                                   "-g", "daemon off;"], log_dir)

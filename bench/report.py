@@ -88,18 +88,19 @@ def latency_table(streams: dict[str, Any]) -> list[str]:
                 continue
             ttft, itl, dl = r["probe"]["ttft_ms"], r["main"]["itl_ms"], r["main"]["delivery_ms"]
             cpu = r["cpu_s"]
-            direct = path == "direct"
+            def added(part: str, metric: str, pct: str, n: str = n, path: str = path) -> str:
+                if path == "direct":
+                    return "-"
+                return _f(_added(streams, path, n, part, metric, pct), 3)
+
             rows.append(
                 f"| {path} | {n} | {_f(ttft.get('p50'), 3)} | {_f(ttft.get('p99'), 3)} | "
-                f"{'-' if direct else _f(_added(streams, path, n, 'probe', 'ttft_ms', 'p50'), 3)}"
-                f" | {'-' if direct else _f(_added(streams, path, n, 'probe', 'ttft_ms', 'p99'), 3)}"
-                f" | {_f(itl.get('p50'), 3)} | {_f(itl.get('p99'), 3)} | "
-                f"{'-' if direct else _f(_added(streams, path, n, 'main', 'itl_ms', 'p50'), 3)} | "
-                f"{'-' if direct else _f(_added(streams, path, n, 'main', 'itl_ms', 'p99'), 3)} | "
+                f"{added('probe', 'ttft_ms', 'p50')} | {added('probe', 'ttft_ms', 'p99')} | "
+                f"{_f(itl.get('p50'), 3)} | {_f(itl.get('p99'), 3)} | "
+                f"{added('main', 'itl_ms', 'p50')} | {added('main', 'itl_ms', 'p99')} | "
                 f"{_f(dl.get('p50'), 3)} | {_f(dl.get('p99'), 3)} | "
-                f"{'-' if direct else _f(_added(streams, path, n, 'main', 'delivery_ms', 'p99'), 3)}"
-                f" | {r['events_per_s']:.0f} | {_f(cpu.get('proxy'))} / {_f(cpu['engine'])} / "
-                f"{_f(cpu['client'])} |")
+                f"{added('main', 'delivery_ms', 'p99')} | {r['events_per_s']:.0f} | "
+                f"{_f(cpu.get('proxy'))} / {_f(cpu['engine'])} / {_f(cpu['client'])} |")
     return rows
 
 
@@ -117,12 +118,15 @@ def sweep_table(sweep: dict[str, Any]) -> list[str]:
 
 
 def idle_table(idle: dict[str, Any]) -> list[str]:
-    rows = ["| path | idle streams asked | open | RSS before, MiB | RSS open, MiB | per open "
-            "stream, KiB |", "|---|---|---|---|---|---|"]
+    rows = ["| path | proxy processes | idle streams asked | open | RSS before, MiB | RSS open, "
+            "MiB | per open stream, KiB |", "|---|---|---|---|---|---|---|"]
     for path, per in idle.items():
         for r in per:
+            if r.get("note"):
+                rows.append(f"| {path} | - | {r['streams']} | {r['note']} | | | |")
+                continue
             per_kib = None if r["per_stream_bytes"] is None else r["per_stream_bytes"] / 1024
-            rows.append(f"| {path} | {r['streams']} | {r['open']} | "
+            rows.append(f"| {path} | {r['proxy']} | {r['streams']} | {r['open']} | "
                         f"{r['rss_before'] / 2**20:.1f} | {r['rss_open'] / 2**20:.1f} | "
                         f"{_f(per_kib, 1)} |")
     return rows
@@ -131,7 +135,8 @@ def idle_table(idle: dict[str, Any]) -> list[str]:
 def storm_table(storm: dict[str, Any]) -> list[str]:
     rows = ["| path | streams open / closed at once | close spread, ms | client close -> abort "
             "call at engine p50 / p99 / max, ms (n) | client close -> upstream close at engine "
-            "p50 / p99 / max, ms (n) | abort calls | CPU s proxy |", "|---|---|---|---|---|---|---|"]
+            "p50 / p99 / max, ms (n) | abort calls | CPU s proxy |",
+            "|---|---|---|---|---|---|---|"]
     for path, s in storm.items():
         def trio(d: dict[str, Any]) -> str:
             if not d.get("n"):
@@ -176,10 +181,11 @@ def targets(results: dict[str, Any]) -> list[tuple[str, str, bool | None]]:
         ratio = best_sidecar / nginx
         out.append(("sustained events/s >= 50% of nginx's",
                     f"{best_sidecar:.0f} ({which}) vs {nginx:.0f}: {ratio:.0%}", ratio >= 0.5))
-    idle = _get(phases, "idle", "sidecar") or []
-    per = [r["per_stream_bytes"] / 1024 for r in idle if r["per_stream_bytes"] is not None]
-    add("memory per idle open stream <= 32 KiB (largest K)", per[-1] if per else None, 32.0,
-        "KiB")
+    idle = [r for r in _get(phases, "idle", "sidecar") or []
+            if r["per_stream_bytes"] is not None]
+    add("memory per idle open stream <= 32 KiB" + (
+        f" ({idle[-1]['streams']} streams, {idle[-1]['proxy']})" if idle else ""),
+        idle[-1]["per_stream_bytes"] / 1024 if idle else None, 32.0, "KiB")
     add("abort call p99 <= 10 ms after client close (storm)",
         _get(phases, "storm", "sidecar", "abort_ms", "p99"), 10.0, "ms")
     vllm = results.get("vllm", {})
@@ -287,8 +293,13 @@ def render(results: dict[str, Any]) -> str:
         "## Memory per idle open stream",
         "",
         "Resident memory of the proxy's processes (nginx: master and workers; the sidecar: its "
-        "one process) with K idle streams open (response head and first event received, then "
-        "nothing) minus before, divided by the streams open.",
+        "process, or supervisor and workers) with K idle streams open (response head and "
+        "first event received, then nothing) minus before, divided by the streams open. "
+        "Each stream holds two "
+        f"connections in the proxy; RLIMIT_NOFILE is {meta['nofile']} here (the hard limit: "
+        "the container cannot raise it), so a K a single process cannot hold runs on the "
+        "sidecar with more workers (SO_REUSEPORT spreads the connections), as the table says; "
+        "nginx listens with `reuseport` for the same reason.",
         "",
         *idle_table(phases.get("idle", {})),
         "",

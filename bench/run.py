@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import functools
 import importlib
 import json
 import shlex
@@ -218,7 +219,7 @@ class Bench:
         args = self.args
         out: dict[str, Any] = {}
         for path in self.paths:
-            levels = []
+            levels: list[dict[str, Any]] = []
             for rate in args.sweep_rates:
                 interval_us = max(1000, round(args.sweep_streams * 1e6 / rate))
                 tokens = max(10, round(args.sweep_s * 1e6 / interval_us))
@@ -252,25 +253,51 @@ class Bench:
             }
         self.results["phases"]["sweep"] = out
 
+    def idle_proxy(self, path: str, k: int) -> tuple[str, Proc] | None:
+        """The proxy process tree to hold ``k`` idle streams for ``path``: the sidecar with the
+        fewest workers whose processes each stay under RLIMIT_NOFILE (two fds per stream, 20%
+        for an uneven spread across workers); ``None`` if none fits."""
+        nofile = self.results["nofile"]
+        if path == "nginx":
+            workers = [("nginx", self.args.nginx_workers)]
+        else:
+            workers = [("sidecar" if w == self.args.workers[0] else f"sidecar-w{w}", w)
+                       for w in self.args.workers]
+        for name, w in workers:
+            proc = self.paths.get(name)
+            need = 2 * k * (1.2 if w > 1 else 1.0) / w + 200
+            if proc is not None and need <= nofile:
+                return name, proc
+        return None
+
     async def phase_idle(self) -> None:
         assert self.client is not None
         out: dict[str, Any] = {}
-        for path, proc in self.paths.items():
-            if proc is None or path not in self.main_paths:
+        for path in self.main_paths:
+            if path == "direct":
                 continue
-            await asyncio.sleep(0.5)
-            base = proc.rss_bytes()
             rows = []
             for k in self.args.idle:
+                chosen = self.idle_proxy(path, k)
+                if chosen is None:
+                    rows.append({"streams": k, "proxy": path, "open": 0, "errors": 0,
+                                 "rss_before": 0, "rss_open": 0, "per_stream_bytes": None,
+                                 "note": f"not reached: RLIMIT_NOFILE {self.results['nofile']}"
+                                         " is too low for the proxy processes"})
+                    log(f"idle     {path:<10} K={k}: not reached (RLIMIT_NOFILE)")
+                    continue
+                name, proc = chosen
+                await asyncio.sleep(0.5)
+                base = proc.rss_bytes()
                 opened = await self.client.call("idle_open", port=proc.port, n=k)
                 await asyncio.sleep(1.0)
                 rss = proc.rss_bytes()
                 await self.client.call("idle_close")
-                await asyncio.sleep(0.5)
                 per = (rss - base) / opened["open"] if opened["open"] else None
-                rows.append({"streams": k, "open": opened["open"], "errors": opened["errors"],
-                             "rss_before": base, "rss_open": rss, "per_stream_bytes": per})
-                log(f"idle     {path:<10} K={k:<6} open {opened['open']} rss "
+                rows.append({"streams": k, "proxy": name, "open": opened["open"],
+                             "errors": opened["errors"], "rss_before": base, "rss_open": rss,
+                             "per_stream_bytes": per})
+                log(f"idle     {name:<10} K={k:<6} open {opened['open']} rss "
                     f"{base / 2**20:.1f} -> {rss / 2**20:.1f} MiB, "
                     f"{(per or 0) / 1024:.1f} KiB/stream")
             out[path] = rows
@@ -285,10 +312,9 @@ class Bench:
             if path not in self.main_paths:
                 continue
             await self.reset_engine()
-            client = self.client
-            r = await self.measured(path, lambda p=path: client.call(  # type: ignore[misc]
-                "storm", port=self.port(p), n=n, close=n // 2, interval_us=interval_us,
-                how=self.args.close, settle_s=1.5))
+            r = await self.measured(path, functools.partial(
+                self.client.call, "storm", port=self.port(path), n=n, close=n // 2,
+                interval_us=interval_us, how=self.args.close, settle_s=1.5))
             _, records = await http_get(self.engine.port, "/bench/records")
             out[path] = storm_figures(r, records)
             log(f"storm    {path:<10} {out[path]['summary']}")
