@@ -331,6 +331,32 @@ def render(results: dict[str, Any]) -> str:
                   "| direct | not measured in this run |",
                   "| cancel-sidecar | not measured in this run |", "",
                   str(vllm.get("notes", ""))]
+    prof = results.get("profile")
+    lines += ["", "## Where the sidecar spends its CPU (py-spy)", ""]
+    if not prof:
+        lines.append("Not profiled in this run (`--quick` or `--no-profile`).")
+    elif not prof.get("ok"):
+        lines.append(f"py-spy failed: {prof.get('error')}")
+    else:
+        lines += [
+            f"`py-spy record --nonblocking --rate 250` on the sidecar (`--workers 1`) for "
+            f"{prof['seconds']:.0f} s while {prof['streams']} streams "
+            f"({prof['interval_ms']} ms/token) ran through it, in a phase of its own; "
+            f"{prof['samples']} samples of busy time. Share of samples:",
+            "",
+            "| by package (innermost frame) | % | by function (innermost frame) | % | sidecar "
+            "function on the stack (inclusive) | % |",
+            "|---|---|---|---|---|---|",
+        ]
+        rows = max(len(prof["by_package"]), len(prof["by_function"]),
+                   len(prof["sidecar_inclusive"]))
+        for i in range(rows):
+            cells = []
+            for key in ("by_package", "by_function", "sidecar_inclusive"):
+                items = prof[key]
+                cells += ([f"`{items[i][0]}`", str(items[i][1])] if i < len(items)
+                          else ["", ""])
+            lines.append("| " + " | ".join(cells) + " |")
     lines += [
         "",
         "## Method and limits",

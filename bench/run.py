@@ -16,7 +16,9 @@ seconds of the engine, the client and the proxy (psutil).
 3. idle: resident memory per idle open stream at ``--idle`` (1000, 10000) open streams;
 4. storm: ``--storm`` streams, half of them closed at once: client close -> abort call at the
    engine, and client close -> upstream connection closed at the engine;
-5. the real vLLM figure from ``bench/vllm_waste.py`` (not in ``--quick``, not with
+5. profile: py-spy on the sidecar under up to 256 streams (:mod:`bench.profile`; not in
+   ``--quick``, not with ``--no-profile``), in a phase of its own;
+6. the real vLLM figure from ``bench/vllm_waste.py`` (not in ``--quick``, not with
    ``--no-vllm``).
 
 Then :mod:`bench.report` writes ``benchmarks.md``, ``benchmarks.png`` and ``benchmarks.json``
@@ -40,7 +42,7 @@ from typing import Any
 
 import uvloop
 
-from bench import report
+from bench import profile, report
 from bench.engine import raise_fd_limit
 from bench.procs import (
     REPO,
@@ -96,6 +98,8 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--paths", default="direct,sidecar,nginx",
                    help="paths to measure (default %(default)s)")
     p.add_argument("--no-vllm", action="store_true", help="skip the real-vLLM figure")
+    p.add_argument("--no-profile", action="store_true",
+                   help="skip the py-spy profile of the sidecar (skipped in --quick)")
     return p
 
 
@@ -113,6 +117,7 @@ def defaults(args: argparse.Namespace) -> None:
     if q:
         args.tokens = min(args.tokens, 25)
         args.no_vllm = True
+        args.no_profile = True
 
 
 class Bench:
@@ -320,6 +325,34 @@ class Bench:
             log(f"storm    {path:<10} {out[path]['summary']}")
         self.results["phases"]["storm"] = out
 
+    async def phase_profile(self) -> None:
+        """py-spy on the sidecar (``--workers 1``) while N streams run through it."""
+        assert self.client is not None
+        proxy = self.paths.get("sidecar")
+        if proxy is None or self.args.no_profile:
+            return
+        n = max((x for x in self.args.streams if x <= 256), default=self.args.streams[0])
+        interval_us = round(self.args.interval_ms * 1000)
+        seconds = 4.0
+        tokens = round(seconds * 1e6 / interval_us) + 25
+        out = self.log_dir / "sidecar.pyspy.txt"
+        task = asyncio.create_task(profile.record(proxy.proc.pid, seconds, out),
+                                   name="py-spy")
+        await asyncio.sleep(0.5)
+        await self.client.call("streams", port=proxy.port, n=n, tokens=tokens,
+                               interval_us=interval_us, probe=True, timeout_s=60.0)
+        ok, messages = await task
+        summary: dict[str, Any] = {"streams": n, "interval_ms": self.args.interval_ms,
+                                   "seconds": seconds, "ok": ok}
+        if ok:
+            summary |= profile.summarise(out.read_text())
+            log(f"profile  sidecar    {summary['samples']} samples, by package "
+                f"{summary['by_package'][:5]}")
+        else:
+            summary["error"] = messages.strip().splitlines()[-1:] or ["py-spy failed"]
+            log(f"profile  sidecar    py-spy failed: {messages.strip()[-300:]}")
+        self.results["profile"] = summary
+
     @property
     def main_paths(self) -> list[str]:
         """The paths of the latency, memory and storm phases (not the extra sidecar workers)."""
@@ -403,6 +436,7 @@ async def run_async(args: argparse.Namespace, log_dir: Path, nofile: int) -> dic
         await bench.phase_sweep()
         await bench.phase_idle()
         await bench.phase_storm()
+        await bench.phase_profile()
     except BaseException:
         for proc in bench.procs:
             log(f"{proc.name} logs:\n{proc.log_tail()}")
