@@ -23,8 +23,9 @@ a few microseconds per event and is never what limits a path. What it serves:
   "request_ids": {TAG: X-Request-Id}, "events": total events sent}``;
   ``POST /bench/reset`` clears them. ``GET /health``: ``200``.
 
-Uvloop timers tick in whole milliseconds, so an event due at a fractional millisecond goes out
-at the next tick; events are scheduled on absolute due times, so the rate does not drift.
+Uvloop's clock and timers have whole milliseconds, so an event goes out on the tick nearest its
+due time (up to half a millisecond early); events are scheduled on absolute due times, so the
+rate does not drift.
 """
 
 from __future__ import annotations
@@ -45,6 +46,7 @@ from bench.wire import HEAD_END, ChunkedDecoder, parse_head
 ABORT_PATH = "/inference/v1/abort_requests"
 STREAM_HEAD = (b"HTTP/1.1 200 OK\r\nContent-Type: text/event-stream\r\n"
                b"Cache-Control: no-cache\r\nTransfer-Encoding: chunked\r\n\r\n")
+TIMER_SLACK_S = 0.0005
 LAST_CHUNKS = b"e\r\ndata: [DONE]\n\n\r\n0\r\n\r\n"
 
 
@@ -221,14 +223,16 @@ class EngineProtocol(asyncio.Protocol):
         if self.stream is not stream or transport is None or transport.is_closing():
             return
         now = self.loop.time()
-        # Catch up on every event due by now (timers fire on whole milliseconds).
-        while stream.left > 0 and stream.next_due <= now:
+        # Every event due by now, or within half a tick: uvloop's clock and timers have whole
+        # milliseconds, and a timer set less than 1 ms ahead fires at once (a busy loop).
+        while stream.left > 0 and stream.next_due <= now + TIMER_SLACK_S:
             transport.write(stream.event())
             self.records.events += 1
             stream.left -= 1
             stream.next_due += stream.interval_s
         if stream.left > 0:
-            stream.handle = self.loop.call_at(stream.next_due, self._tick, stream)
+            stream.handle = self.loop.call_at(max(stream.next_due, now + 0.001), self._tick,
+                                              stream)
         else:
             transport.write(LAST_CHUNKS)
             self.stream = None

@@ -370,8 +370,8 @@ def render(results: dict[str, Any]) -> str:
         "from its read time. uvloop timers tick in whole milliseconds, so ITL shows 1 ms "
         "steps; the added figures subtract that out.",
         "- The sidecar logs at WARNING so logging does not dominate the hot path.",
-        "- Memory after earlier phases: the idle phase measures against the RSS just before "
-        "the streams open, so memory freed by earlier phases and reused is not counted.",
+        "- The memory phase runs first, on proxies that have served only a warm-up, and "
+        "measures against the RSS just before the streams open.",
         "- Numbers move with the other load on the machine; compare paths within one run.",
     ]
     if meta["nofile"] < 2 * max(meta["idle"]) + 100:

@@ -7,13 +7,14 @@ upstream), then runs the phases below one after another (never two at once), eac
 turn within a phase so the three see the same machine state. Every phase records the CPU
 seconds of the engine, the client and the proxy (psutil).
 
-1. streams: N concurrent streams (``--streams``, default 1, 64, 256, 1000) of ``--tokens``
+1. idle: resident memory per idle open stream at ``--idle`` (1000, 10000) open streams, first,
+   while the proxies' heaps hold nothing from earlier phases;
+2. streams: N concurrent streams (``--streams``, default 1, 64, 256, 1000) of ``--tokens``
    events every ``--interval-ms``, plus a prober that samples time to first token;
-2. sweep: ``--sweep-streams`` streams at rising offered event rates (``--sweep-rates``) until
+3. sweep: ``--sweep-streams`` streams at rising offered event rates (``--sweep-rates``) until
    the path stops holding (p99 inter-token latency over twice its ratio to the interval at the
    lowest rate, or under 90% of the offered events delivered); CPU per 100,000 events at
    ``--cpu-rate``;
-3. idle: resident memory per idle open stream at ``--idle`` (1000, 10000) open streams;
 4. storm: ``--storm`` streams, half of them closed at once: client close -> abort call at the
    engine, and client close -> upstream connection closed at the engine;
 5. profile: py-spy on the sidecar under up to 256 streams (:mod:`bench.profile`; not in
@@ -207,11 +208,14 @@ class Bench:
             "streams", port=self.port(path), n=n, tokens=tokens, interval_us=interval_us,
             probe=probe, timeout_s=max(30.0, 4 * expected_s)))
 
+    async def warm_up(self) -> None:
+        """A few short streams per path: connection pools, lazy imports, first allocations."""
+        for path in self.paths:
+            await self.streams(path, 8, 10, 5000)
+
     async def phase_streams(self) -> None:
         interval_us = round(self.args.interval_ms * 1000)
         out: dict[str, dict[str, Any]] = {p: {} for p in self.paths if p in self.main_paths}
-        for path in out:  # warm-up: pools, caches, JIT-less but allocator-warm
-            await self.streams(path, 8, 10, 5000, probe=False)
         for n in self.args.streams:
             for path in out:
                 r = await self.streams(path, n, self.args.tokens, interval_us)
@@ -432,9 +436,10 @@ async def run_async(args: argparse.Namespace, log_dir: Path, nofile: int) -> dic
     try:
         await bench.start()
         log(f"paths: {', '.join(f'{k} :{bench.port(k)}' for k in bench.paths)}")
+        await bench.warm_up()
+        await bench.phase_idle()  # first: on proxies that have not yet grown their heaps
         await bench.phase_streams()
         await bench.phase_sweep()
-        await bench.phase_idle()
         await bench.phase_storm()
         await bench.phase_profile()
     except BaseException:
