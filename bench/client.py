@@ -18,8 +18,9 @@ Commands (``port`` is the path under test: the engine, the sidecar or nginx):
 - ``idle_open`` / ``idle_close``: open ``n`` idle streams (head + first event, then silence)
   in batches, keep them, later reset them all.
 - ``storm``: open ``n`` streams, wait until each has events, then close ``close`` of them (every
-  other one) in one tight loop, RST (``SO_LINGER`` 0) or FIN, recording each close time;
-  answers ``{tag: close ns}``; the rest are closed ``settle_s`` later.
+  other one) in one tight loop, RST (``SO_LINGER`` 0) or FIN; each close time is taken in
+  ``connection_lost``, which uvloop calls right before it closes the socket; answers ``{tag:
+  close ns}``; the rest are closed ``settle_s`` later.
 """
 
 from __future__ import annotations
@@ -109,6 +110,8 @@ class StreamConnection(asyncio.Protocol):
         self.finished = self.loop.create_future()  # all requests answered, or the connection lost
         self.min_events = min_events
         self.ready = self.loop.create_future()  # min_events events of the current stream read
+        self.closing = False  # close() was called: a lost response is not an error
+        self.closed_at = 0  # monotonic ns at connection_lost
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         self.transport = cast(asyncio.Transport, transport)  # uvloop's is not a subclass
@@ -128,8 +131,11 @@ class StreamConnection(asyncio.Protocol):
         self.transport.write(data)
 
     def connection_lost(self, exc: Exception | None) -> None:
+        # uvloop calls this just before it closes the socket (RST or FIN goes out then), one
+        # loop turn after transport.abort()/close(): this is the client's close instant.
+        self.closed_at = time.monotonic_ns()
         if not self.finished.done():
-            if self.decoder is not None or self.head:
+            if (self.decoder is not None or self.head) and not self.closing:
                 self.samples.errors += 1  # lost mid-response
             self.finished.set_result(None)
         if not self.ready.done():
@@ -187,18 +193,17 @@ class StreamConnection(asyncio.Protocol):
                 assert self.transport is not None
                 self.transport.close()
 
-    def close(self, rst: bool) -> int:
-        """Close the connection now (RST or FIN); returns the close time (monotonic ns)."""
+    def close(self, rst: bool) -> None:
+        """Close the connection (RST or FIN); the socket closes on the loop's next turn, and
+        :attr:`closed_at` records when."""
         assert self.transport is not None
+        self.closing = True
         if rst:
             sock = self.transport.get_extra_info("socket")
             sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, LINGER_RST)
-            at = time.monotonic_ns()
             self.transport.abort()
         else:
-            at = time.monotonic_ns()
             self.transport.close()
-        return at
 
 
 async def connect(port: int, conn: StreamConnection) -> StreamConnection:
@@ -303,14 +308,18 @@ class Client:
         await asyncio.sleep(cmd.get("steady_s", 0.5))
         chosen = live[::2][:cmd["close"]]
         rst = cmd.get("how", "rst") == "rst"
-        closed = {c.tag: c.close(rst) for c in chosen}
+        asked = time.monotonic_ns()
+        for c in chosen:
+            c.close(rst)
         await asyncio.sleep(cmd.get("settle_s", 1.0))
+        closed = {c.tag: c.closed_at for c in chosen if c.closed_at}
         for c in live[1::2]:
             c.close(rst=True)
         await asyncio.sleep(0.2)
         return {"closed": closed, "open": len(live), "errors": samples.errors,
                 "close_spread_ms": (max(closed.values()) - min(closed.values())) / 1e6
-                if closed else 0.0}
+                if closed else 0.0,
+                "close_lag_ms": (min(closed.values()) - asked) / 1e6 if closed else 0.0}
 
 
 async def serve() -> None:

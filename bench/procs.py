@@ -220,7 +220,7 @@ def nginx_version() -> str:
         return "not installed"
     import subprocess
     out = subprocess.run([binary, "-v"], capture_output=True, text=True, check=False)
-    return (out.stderr or out.stdout).strip().removeprefix("nginx version: ")
+    return (out.stderr or out.stdout).strip().removeprefix("nginx version: nginx/")
 
 
 async def http_get(port: int, path: str, method: str = "GET") -> tuple[int, Any]:

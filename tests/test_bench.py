@@ -87,7 +87,8 @@ def test_report_has_a_row_per_path_and_the_plot(tmp_path: Path) -> None:
                  "aiohttp": "3", "uvloop": "0", "nginx": "1", "nofile": 20000,
                  "interval_ms": 20.0, "tokens": 25, "streams": [1, 256], "workers": [1, 2],
                  "nginx_workers": 2, "sweep_streams": 20, "sweep_rates": [1000],
-                 "sweep_s": 1.0, "cpu_rate": 1000, "idle": [10], "storm": 20, "close": "rst"},
+                 "sweep_s": 1.0, "cpu_rate": 1000, "idle": [10], "storm": 20, "close": "rst",
+                 "storm_interval_ms": [20.0, 100.0]},
     }
     text = report.write(results, tmp_path)
     assert (tmp_path / "benchmarks.png").stat().st_size > 0, "expected the plot written"
