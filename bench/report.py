@@ -223,7 +223,8 @@ def plot(results: dict[str, Any], path: Path) -> None:
             ys = [per[str(n)][part][metric][pct] for n in xs]
             ax.plot(xs, ys, marker="o", label=PATH_LABELS.get(name, name))
         ax.set_xscale("log")
-        ax.set_yscale("log")
+        if metric != "itl_ms":  # ITL sits near the token interval: a linear axis reads better
+            ax.set_yscale("log")
         ax.set_xlabel("concurrent streams")
         ax.set_ylabel("ms")
         ax.set_title(title)
