@@ -333,7 +333,10 @@ def render(results: dict[str, Any]) -> str:
             "|---|---|---|",
             f"| direct | {vllm.get('direct')} | {_f(vllm.get('tokens_per_s'), 1)} |",
             f"| cancel-sidecar | {vllm.get('sidecar')} | {_f(vllm.get('tokens_per_s'), 1)} |",
-            "", str(vllm.get("notes", "")),
+            "",
+            *([f"Client close -> vLLM stops running the request, through the sidecar, ms: "
+               f"{vllm['stop_ms_sidecar']}.", ""] if vllm.get("stop_ms_sidecar") else []),
+            str(vllm.get("notes", "")),
         ]
     else:
         lines += ["| path | tokens generated after the disconnect |", "|---|---|",

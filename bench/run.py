@@ -32,6 +32,7 @@ import argparse
 import asyncio
 import functools
 import importlib
+import inspect
 import json
 import shlex
 import sys
@@ -435,7 +436,16 @@ def vllm_figure(args: argparse.Namespace) -> dict[str, Any]:
         return {"measured": False, "notes": f"not measured in this run (bench/vllm_waste.py "
                                             f"not available: {exc})"}
     log("vllm     running bench.vllm_waste.run() on the real engine")
-    result: dict[str, Any] = module.run(quick=False)
+    kwargs: dict[str, Any] = {"quick": False}
+    if "say" in inspect.signature(module.run).parameters:
+        kwargs["say"] = lambda message: log(f"vllm     {message}")
+    try:
+        result: dict[str, Any] = module.run(**kwargs)
+    except (RuntimeError, AssertionError, OSError) as exc:  # what run() documents
+        # The other figures are already measured: report the failure instead of losing them.
+        log(f"vllm     failed: {exc!r}")
+        return {"measured": False, "notes": f"not measured: bench.vllm_waste.run() failed: "
+                                            f"{exc!r}"}
     return {"measured": True, **result}
 
 
