@@ -5,12 +5,12 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed-e2e
 
-.PHONY: setup demo test test-fast lint
+.PHONY: setup demo test test-fast lint bench bench-quick
 
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
 	$(BIN)/pip install -q -U pip
-	$(BIN)/pip install -q -e '.[dev,e2e]'
+	$(BIN)/pip install -q -e '.[dev,e2e,bench]'
 	# PyPI's torchvision/torchaudio/torchcodec do not load beside the CPU torch and break
 	# transformers imports; vLLM serves text models without them.
 	$(BIN)/pip uninstall -q -y torchvision torchaudio torchcodec
@@ -32,7 +32,16 @@ test: $(STAMP)
 test-fast: $(STAMP)
 	$(BIN)/python -m pytest tests -m "not e2e"
 
+## Direct vs cancel-sidecar vs nginx on a fast fake engine (and the real-vLLM waste figure):
+## regenerates docs/benchmarks.md and docs/benchmarks.png. Needs nginx (Debian: nginx-light).
+bench: $(STAMP)
+	$(BIN)/python -m bench
+
+## The same at tiny sizes (~30 s) into a temp dir: proves the command works; numbers mean nothing.
+bench-quick: $(STAMP)
+	$(BIN)/python -m bench --quick
+
 lint: $(STAMP)
-	$(BIN)/ruff check sidecar engine tests demo
+	$(BIN)/ruff check sidecar engine tests demo bench
 	$(BIN)/mypy
 	$(BIN)/hadolint Dockerfile

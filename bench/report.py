@@ -1,0 +1,411 @@
+"""The benchmark report: ``benchmarks.md`` (tables, targets, method) and ``benchmarks.png``.
+
+Input is the results tree :mod:`bench.run` builds (also written as ``benchmarks.json``, so the
+report can be regenerated with ``python -m bench.report DIR``). "Added" figures are a path's
+percentile minus the direct path's same percentile, same N, same run: events are not paired
+across paths, so this is the difference of distributions, not a distribution of differences.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import sys
+import time
+from importlib import metadata
+from pathlib import Path
+from typing import Any
+
+from bench.procs import nginx_version
+
+PATH_LABELS = {"direct": "direct (engine)", "sidecar": "cancel-sidecar", "nginx": "nginx"}
+
+
+def machine(args: argparse.Namespace, command: str, started: float, nofile: int
+            ) -> dict[str, Any]:
+    cpu = "unknown"
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                cpu = line.split(":", 1)[1].strip()
+                break
+    except OSError:
+        pass
+
+    def version(dist: str) -> str:
+        try:
+            return metadata.version(dist)
+        except metadata.PackageNotFoundError:
+            return "not installed"
+
+    return {
+        "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime(started)),
+        "duration_s": round(time.time() - started),
+        "command": command, "quick": args.quick, "cores": os.cpu_count(), "cpu": cpu,
+        "kernel": platform.release(), "python": sys.version.split()[0],
+        "aiohttp": version("aiohttp"), "uvloop": version("uvloop"), "nginx": nginx_version(),
+        "nofile": nofile, "interval_ms": args.interval_ms, "tokens": args.tokens,
+        "streams": args.streams, "workers": args.workers, "nginx_workers": args.nginx_workers,
+        "sweep_streams": args.sweep_streams, "sweep_rates": args.sweep_rates,
+        "sweep_s": args.sweep_s, "cpu_rate": args.cpu_rate, "idle": args.idle,
+        "storm": args.storm, "close": args.close, "storm_interval_ms": args.storm_interval_ms,
+    }
+
+
+def _f(value: Any, digits: int = 2) -> str:
+    if value is None:
+        return "n/a"
+    if isinstance(value, float):
+        return f"{value:.{digits}f}"
+    return str(value)
+
+
+def _get(tree: Any, *keys: Any) -> Any:
+    for k in keys:
+        if not isinstance(tree, dict) or k not in tree:
+            return None
+        tree = tree[k]
+    return tree
+
+
+def _added(streams: dict[str, Any], path: str, n: str, *keys: str) -> float | None:
+    a, b = _get(streams, path, n, *keys), _get(streams, "direct", n, *keys)
+    return None if a is None or b is None else a - b
+
+
+def latency_table(streams: dict[str, Any]) -> list[str]:
+    rows = ["| path | N | TTFT p50 | TTFT p99 | added TTFT p50 | added TTFT p99 | ITL p50 | "
+            "ITL p99 | added ITL p50 | added ITL p99 | delivery p50 | delivery p99 | added "
+            "delivery p99 | events/s | CPU s proxy / engine / client |",
+            "|" + "---|" * 15]
+    ns = sorted({n for per in streams.values() for n in per}, key=int)
+    for n in ns:
+        for path, per in streams.items():
+            r = per.get(n)
+            if r is None:
+                continue
+            ttft, itl, dl = r["probe"]["ttft_ms"], r["main"]["itl_ms"], r["main"]["delivery_ms"]
+            cpu = r["cpu_s"]
+            def added(part: str, metric: str, pct: str, n: str = n, path: str = path) -> str:
+                if path == "direct":
+                    return "-"
+                return _f(_added(streams, path, n, part, metric, pct), 3)
+
+            rows.append(
+                f"| {path} | {n} | {_f(ttft.get('p50'), 3)} | {_f(ttft.get('p99'), 3)} | "
+                f"{added('probe', 'ttft_ms', 'p50')} | {added('probe', 'ttft_ms', 'p99')} | "
+                f"{_f(itl.get('p50'), 3)} | {_f(itl.get('p99'), 3)} | "
+                f"{added('main', 'itl_ms', 'p50')} | {added('main', 'itl_ms', 'p99')} | "
+                f"{_f(dl.get('p50'), 3)} | {_f(dl.get('p99'), 3)} | "
+                f"{added('main', 'delivery_ms', 'p99')} | {r['events_per_s']:.0f} | "
+                f"{_f(cpu.get('proxy'))} / {_f(cpu['engine'])} / {_f(cpu['client'])} |")
+    return rows
+
+
+def sweep_table(sweep: dict[str, Any]) -> list[str]:
+    rows = ["| path | most events/s held | CPU s per 100,000 events (at offered/s) | levels: "
+            "offered/s -> delivered/s, p99 ITL ms, held |", "|---|---|---|---|"]
+    for path, s in sweep.items():
+        levels = "; ".join(
+            f"{lv['offered_per_s']:.0f} -> {lv['delivered_per_s']:.0f}, "
+            f"{_f(lv['itl_p99_ms'])}, {'yes' if lv['held'] else 'no'}" for lv in s["levels"])
+        cpu = ("-" if path == "direct" else
+               f"{_f(s['cpu_s_per_100k'])} (at {_f(s['cpu_rate_per_s'], 0)})")
+        rows.append(f"| {path} | {s['max_held_per_s']:.0f} | {cpu} | {levels} |")
+    return rows
+
+
+def idle_table(idle: dict[str, Any]) -> list[str]:
+    rows = ["| path | proxy processes | idle streams asked | open | RSS before, MiB | RSS open, "
+            "MiB | per open stream, KiB |", "|---|---|---|---|---|---|---|"]
+    for path, per in idle.items():
+        for r in per:
+            if r.get("note"):
+                rows.append(f"| {path} | - | {r['streams']} | {r['note']} | | | |")
+                continue
+            per_kib = None if r["per_stream_bytes"] is None else r["per_stream_bytes"] / 1024
+            rows.append(f"| {path} | {r['proxy']} | {r['streams']} | {r['open']} | "
+                        f"{r['rss_before'] / 2**20:.1f} | {r['rss_open'] / 2**20:.1f} | "
+                        f"{_f(per_kib, 1)} |")
+    return rows
+
+
+def storm_table(storm: dict[str, Any]) -> list[str]:
+    rows = ["| ms/token | path | streams open / closed at once | closes spread over, ms | client "
+            "close -> abort call at engine p50 / p99 / max, ms (n) | client close -> upstream "
+            "close at engine p50 / p99 / max, ms (n) | abort calls | CPU s proxy |",
+            "|---|---|---|---|---|---|---|---|"]
+
+    def trio(d: dict[str, Any]) -> str:
+        if not d.get("n"):
+            return "none"
+        return f"{d['p50']:.2f} / {d['p99']:.2f} / {d['max']:.2f} ({d['n']})"
+
+    for interval, per in storm.items():
+        for path, s in per.items():
+            abort = "no abort (not its job)" if path != "sidecar" else trio(s["abort_ms"])
+            rows.append(f"| {interval} | {path} | {s['open']} / {s['closed']} | "
+                        f"{s['close_spread_ms']:.2f} | {abort} | {trio(s['upstream_close_ms'])}"
+                        f" | {s['abort_calls'] if path == 'sidecar' else '-'} | "
+                        f"{_f(s['cpu_s'].get('proxy'))} |")
+    return rows
+
+
+def targets(results: dict[str, Any]) -> list[tuple[str, str, bool | None]]:
+    """(target, measured value, met) for each target of issue 6; ``None``: not measured."""
+    phases = results["phases"]
+    streams = phases.get("streams", {})
+    ns = sorted({int(n) for per in streams.values() for n in per})
+    n = "256" if 256 in ns else (str(ns[-1]) if ns else "")
+    at = f" at {n} streams"
+    out: list[tuple[str, str, bool | None]] = []
+
+    def add(name: str, value: float | None, limit: float, unit: str) -> None:
+        out.append((name, "not measured" if value is None else f"{value:.3f} {unit}",
+                    None if value is None else value <= limit))
+
+    add(f"added TTFT p50 <= 0.5 ms{at}", _added(streams, "sidecar", n, "probe", "ttft_ms", "p50"),
+        0.5, "ms")
+    add(f"added TTFT p99 <= 2 ms{at}", _added(streams, "sidecar", n, "probe", "ttft_ms", "p99"),
+        2.0, "ms")
+    add(f"added ITL p99 <= 1 ms{at}", _added(streams, "sidecar", n, "main", "itl_ms", "p99"),
+        1.0, "ms")
+    sweep = phases.get("sweep", {})
+    best_sidecar = max((s["max_held_per_s"] for p, s in sweep.items()
+                        if p.startswith("sidecar")), default=None)
+    nginx = _get(sweep, "nginx", "max_held_per_s")
+    if best_sidecar is None or not nginx:
+        out.append(("sustained events/s >= 50% of nginx's", "not measured", None))
+    else:
+        which = max((p for p in sweep if p.startswith("sidecar")),
+                    key=lambda p: sweep[p]["max_held_per_s"])
+        ratio = best_sidecar / nginx
+        out.append(("sustained events/s >= 50% of nginx's",
+                    f"{best_sidecar:.0f} ({which}) vs {nginx:.0f}: {ratio:.0%}", ratio >= 0.5))
+    idle = [r for r in _get(phases, "idle", "sidecar") or []
+            if r["per_stream_bytes"] is not None]
+    add("memory per idle open stream <= 32 KiB" + (
+        f" ({idle[-1]['streams']} streams, {idle[-1]['proxy']})" if idle else ""),
+        idle[-1]["per_stream_bytes"] / 1024 if idle else None, 32.0, "KiB")
+    for interval, per in (phases.get("storm") or {}).items():
+        add(f"abort call p99 <= 10 ms after client close (storm, {interval} ms/token)",
+            _get(per, "sidecar", "abort_ms", "p99"), 10.0, "ms")
+    vllm = results.get("vllm", {})
+    if vllm.get("measured") and vllm.get("sidecar"):
+        add("tokens generated after a disconnect on real vLLM <= 5 (max over runs)",
+            float(max(vllm["sidecar"])), 5.0, "tokens")
+    else:
+        out.append(("tokens generated after a disconnect on real vLLM <= 5",
+                    "not measured in this run", None))
+    return out
+
+
+def plot(results: dict[str, Any], path: Path) -> None:
+    """Latency against concurrency, one line per path, log-x: TTFT and ITL/delivery p50/p99."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    streams = results["phases"].get("streams", {})
+    panels = [("probe", "ttft_ms", "p50", "time to first token p50"),
+              ("probe", "ttft_ms", "p99", "time to first token p99"),
+              ("main", "delivery_ms", "p50", "event delivery latency p50"),
+              ("main", "delivery_ms", "p99", "event delivery latency p99"),
+              ("main", "itl_ms", "p50", "inter-token latency p50"),
+              ("main", "itl_ms", "p99", "inter-token latency p99")]
+    fig, axes = plt.subplots(3, 2, figsize=(11, 11))
+    for ax, (part, metric, pct, title) in zip(axes.flat, panels, strict=True):
+        for name, per in streams.items():
+            ns = sorted(per, key=int)
+            xs = [int(n) for n in ns if _get(per, n, part, metric, pct) is not None]
+            ys = [per[str(n)][part][metric][pct] for n in xs]
+            ax.plot(xs, ys, marker="o", label=PATH_LABELS.get(name, name))
+        ax.set_xscale("log")
+        if metric != "itl_ms":  # ITL sits near the token interval: a linear axis reads better
+            ax.set_yscale("log")
+        ax.set_xlabel("concurrent streams")
+        ax.set_ylabel("ms")
+        ax.set_title(title)
+        ax.grid(True, which="both", alpha=0.3)
+        ax.legend(fontsize=8)
+    meta = results.get("meta", {})
+    fig.suptitle(f"cancel-sidecar vs nginx vs direct: {meta.get('interval_ms')} ms/token, "
+                 f"{meta.get('cores')} cores, {meta.get('date')}")
+    fig.tight_layout()
+    fig.savefig(path, dpi=90)
+    plt.close(fig)
+
+
+def render(results: dict[str, Any]) -> str:
+    meta = results["meta"]
+    phases = results["phases"]
+    lines = [
+        "# Benchmarks",
+        "",
+        "Generated by `bench/` (`python -m bench`); do not edit by hand: rerun the command.",
+        "",
+        f"- Date: {meta['date']}; run time {meta['duration_s']} s"
+        + (" (**--quick: tiny sizes, numbers not meaningful**)" if meta["quick"] else ""),
+        f"- Command: `{meta['command']}`",
+        f"- Machine: {meta['cores']} cores, {meta['cpu']}, Linux {meta['kernel']}; Python "
+        f"{meta['python']}, aiohttp {meta['aiohttp']}, uvloop {meta['uvloop']}, nginx "
+        f"{meta['nginx']}; RLIMIT_NOFILE {meta['nofile']}",
+        f"- Paths: the fake engine directly; cancel-sidecar (`python -m sidecar --config ... "
+        f"--workers {meta['workers'][0]}`, log level WARNING, and `--workers` "
+        f"{', '.join(map(str, meta['workers'][1:])) or 'none'} for the sweep); nginx "
+        f"(`worker_processes {meta['nginx_workers']}`, `proxy_buffering off`, "
+        f"`proxy_http_version 1.1`, upstream `keepalive 1024`).",
+        f"- Streams: {meta['tokens']} tokens every {meta['interval_ms']} ms, OpenAI chat chunk "
+        f"events of ~220 bytes.",
+        "",
+        "## Targets",
+        "",
+        "| target (cancel-sidecar) | measured | met |",
+        "|---|---|---|",
+    ]
+    for name, value, met in targets(results):
+        lines.append(f"| {name} | {value} | "
+                     f"{'n/a' if met is None else ('**met**' if met else '**not met**')} |")
+    lines += [
+        "",
+        "## Time to first token and inter-token latency",
+        "",
+        "Milliseconds. N streams open at once; TTFT from a prober that sends one-token "
+        "requests one at a time (10 ms apart) while the N streams run; ITL and delivery "
+        "latency (client read time - engine send time) over every event of the N streams. "
+        "Added = path - direct, same N, same run. CPU s = seconds each process used in the "
+        "phase (psutil).",
+        "",
+        *latency_table(phases.get("streams", {})),
+        "",
+        "![latency against concurrency](benchmarks.png)",
+        "",
+        "## Most SSE events per second held",
+        "",
+        f"{meta['sweep_streams']} streams, the offered rate raised by shortening the interval "
+        f"({meta['sweep_s']} s per level) until a level fails. A level holds when at least "
+        "90% of the offered events arrive and p99 inter-token latency, as a multiple of the "
+        "interval, is at most twice that multiple at the lowest rate (the issue's \"p99 "
+        "inter-token latency doubles\"; normalised because the interval shrinks as the rate "
+        "rises). The direct path's figure is the ceiling of the engine and client themselves "
+        "on this machine: a proxy cannot be shown above it. CPU s per 100,000 events: the "
+        "proxy processes' CPU seconds at the fixed rate shown.",
+        "",
+        *sweep_table(phases.get("sweep", {})),
+        "",
+        "## Memory per idle open stream",
+        "",
+        "Resident memory of the proxy's processes (nginx: master and workers; the sidecar: its "
+        "process, or supervisor and workers) with K idle streams open (response head and "
+        "first event received, then nothing) minus before, divided by the streams open. "
+        "Each stream holds two "
+        f"connections in the proxy; RLIMIT_NOFILE is {meta['nofile']} here (the hard limit: "
+        "the container cannot raise it), so a K a single process cannot hold runs on the "
+        "sidecar with more workers (SO_REUSEPORT spreads the connections), as the table says; "
+        "nginx listens with `reuseport` for the same reason.",
+        "",
+        *idle_table(phases.get("idle", {})),
+        "",
+        "## Disconnect storm",
+        "",
+        f"{meta['storm']} streams, then half of them closed by the client in one loop "
+        f"({meta['close'].upper()}), once per token interval ({meta['storm_interval_ms']} ms: "
+        f"{meta['storm']} streams at {meta['interval_ms']} ms/token offer "
+        f"{meta['storm'] * 1000 / meta['interval_ms']:.0f} events/s, compare the sweep). "
+        "The client's close time is taken in uvloop's `connection_lost`, right before it "
+        "closes the socket. Per closed stream, from the client's close to the engine "
+        "reading the head of the abort call that names its engine id "
+        "(`chatcmpl-{X-Request-Id}`), and to the engine seeing that stream's upstream "
+        "connection close. Both clocks are `CLOCK_MONOTONIC` of one host"
+        + (" (checked at start)." if _get(results, "clock", "shared_monotonic_clock") else "."),
+        "",
+        *storm_table(phases.get("storm", {})),
+        "",
+        "## Real vLLM: tokens generated after a disconnect",
+        "",
+    ]
+    vllm = results.get("vllm", {})
+    if vllm.get("measured"):
+        lines += [
+            "| path | tokens generated after the disconnect, per run | tokens/s |",
+            "|---|---|---|",
+            f"| direct | {vllm.get('direct')} | {_f(vllm.get('tokens_per_s'), 1)} |",
+            f"| cancel-sidecar | {vllm.get('sidecar')} | {_f(vllm.get('tokens_per_s'), 1)} |",
+            "",
+            *([f"Client close -> vLLM stops running the request, through the sidecar, ms: "
+               f"{vllm['stop_ms_sidecar']}.", ""] if vllm.get("stop_ms_sidecar") else []),
+            str(vllm.get("notes", "")),
+        ]
+    else:
+        lines += ["| path | tokens generated after the disconnect |", "|---|---|",
+                  "| direct | not measured in this run |",
+                  "| cancel-sidecar | not measured in this run |", "",
+                  str(vllm.get("notes", ""))]
+    prof = results.get("profile")
+    lines += ["", "## Where the sidecar spends its CPU (py-spy)", ""]
+    if not prof:
+        lines.append("Not profiled in this run (`--quick` or `--no-profile`).")
+    elif not prof.get("ok"):
+        lines.append(f"py-spy failed: {prof.get('error')}")
+    else:
+        lines += [
+            f"`py-spy record --nonblocking --rate 250` on the sidecar (`--workers 1`) for "
+            f"{prof['seconds']:.0f} s while {prof['streams']} streams "
+            f"({prof['interval_ms']} ms/token) ran through it, in a phase of its own; "
+            f"{prof['samples']} samples of busy time. Share of samples:",
+            "",
+            "| by package (innermost frame) | % | by function (innermost frame) | % | sidecar "
+            "function on the stack (inclusive) | % |",
+            "|---|---|---|---|---|---|",
+        ]
+        rows = max(len(prof["by_package"]), len(prof["by_function"]),
+                   len(prof["sidecar_inclusive"]))
+        for i in range(rows):
+            cells = []
+            for key in ("by_package", "by_function", "sidecar_inclusive"):
+                items = prof[key]
+                cells += ([f"`{items[i][0]}`", str(items[i][1])] if i < len(items)
+                          else ["", ""])
+            lines.append("| " + " | ".join(cells) + " |")
+    lines += [
+        "",
+        "## Method and limits",
+        "",
+        f"- Everything runs on the same {meta['cores']} cores: the fake engine (raw uvloop "
+        "Protocols), the load client (raw uvloop Protocols, one process) and the proxy compete "
+        "for CPU, so a figure near saturation is partly the client's or the engine's; the CPU "
+        "seconds per process are in each table for that reason. Phases run one after "
+        "another, the paths in turn within each phase.",
+        "- The engine stamps each event with `time.monotonic_ns()`; the client subtracts it "
+        "from its read time. uvloop timers tick in whole milliseconds, so ITL shows 1 ms "
+        "steps; the added figures subtract that out.",
+        "- The sidecar logs at WARNING so logging does not dominate the hot path.",
+        "- The memory phase runs first, on proxies that have served only a warm-up, and "
+        "measures against the RSS just before the streams open.",
+        "- Numbers move with the other load on the machine; compare paths within one run.",
+    ]
+    if meta["nofile"] < 2 * max(meta["idle"]) + 100:
+        lines.append(f"- RLIMIT_NOFILE is {meta['nofile']}: too low for "
+                     f"{max(meta['idle'])} idle streams through one proxy process.")
+    return "\n".join(lines) + "\n"
+
+
+def write(results: dict[str, Any], out: Path) -> str:
+    text = render(results)
+    (out / "benchmarks.md").write_text(text)
+    plot(results, out / "benchmarks.png")
+    return text
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(prog="python -m bench.report",
+                                description="regenerate benchmarks.md/.png from benchmarks.json")
+    p.add_argument("dir", type=Path)
+    args = p.parse_args()
+    write(json.loads((args.dir / "benchmarks.json").read_text()), args.dir)
+
+
+if __name__ == "__main__":
+    main()

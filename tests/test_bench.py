@@ -1,0 +1,99 @@
+"""The benchmark's own logic, fast: chunked framing, the sweep's hold rule, the storm's matching
+of abort calls to closed streams, and the report (tables and plot) from a results tree.
+
+The whole command runs end to end, at tiny sizes, in ``.ci/run`` (``python -m bench --quick``).
+"""
+
+from __future__ import annotations
+
+import random
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from bench import report
+from bench.run import held, storm_figures
+from bench.wire import ChunkedDecoder
+
+
+def test_chunked_decoder_any_split() -> None:
+    rng = random.Random(6)
+    pieces = [bytes([65 + i % 26]) * rng.randint(1, 300) for i in range(40)]
+    wire = b"".join(b"%x\r\n%b\r\n" % (len(p), p) for p in pieces) + b"0\r\n\r\nNEXT"
+    for _ in range(100):
+        decoder, body, pos = ChunkedDecoder(), b"", 0
+        while not decoder.done:
+            assert pos < len(wire), "expected the last chunk to end the body"
+            step = rng.randint(1, 40)
+            body += decoder.feed(wire[pos:pos + step])
+            pos += step
+        assert body == b"".join(pieces)
+        assert decoder.rest + wire[pos:] == b"NEXT", "expected the bytes after the body kept"
+
+
+def _level(offered: float, delivered: float, interval_us: int, itl_p99_ms: float
+           ) -> dict[str, Any]:
+    return {"offered_per_s": offered, "delivered_per_s": delivered, "interval_us": interval_us,
+            "itl_p99_ms": itl_p99_ms, "errors": 0, "timed_out": False}
+
+
+def test_sweep_level_holds_until_p99_itl_doubles_relative_to_interval() -> None:
+    first = _level(5000, 5000, 40000, 44.0)  # p99 ITL 1.1 x interval
+    assert held(_level(10000, 9900, 20000, 40.0), first)  # 2.0 x <= 2.2 x
+    assert not held(_level(10000, 9900, 20000, 45.0), first)  # 2.25 x
+    assert not held(_level(10000, 8000, 20000, 21.0), first), "under 90% delivered must fail"
+
+
+def test_storm_matches_abort_ids_and_upstream_closes_to_closed_streams() -> None:
+    result = {"closed": {"c1": 1_000_000, "c3": 2_000_000}, "open": 4, "errors": 0,
+              "close_spread_ms": 1.0, "cpu_s": {"proxy": 0.1}}
+    records = {"request_ids": {"c1": "a", "c2": "b", "c3": "c"},
+               "aborts": [[3_000_000, ["chatcmpl-a", "chatcmpl-c"]], [9_000_000, ["chatcmpl-b"]]],
+               "closes": [["c1", 1_500_000], ["c3", 2_500_000], ["c2", 8_000_000]]}
+    figures = storm_figures(result, records)
+    assert figures["abort_ms"] == {"n": 2, "p50": 1.0, "p99": 2.0, "max": 2.0}
+    assert figures["upstream_close_ms"] == {"n": 2, "p50": 0.5, "p99": 0.5, "max": 0.5}
+
+
+def _streams(ttft: float, itl: float) -> dict[str, Any]:
+    def pct(v: float) -> dict[str, float]:
+        return {"n": 10, "p50": v, "p90": v, "p99": 2 * v, "p100": 3 * v}
+    return {"probe": {"ttft_ms": pct(ttft)},
+            "main": {"itl_ms": pct(itl), "delivery_ms": pct(0.1), "errors": 0},
+            "events_per_s": 100.0, "cpu_s": {"engine": 0.1, "client": 0.1, "proxy": 0.1}}
+
+
+def test_report_has_a_row_per_path_and_the_plot(tmp_path: Path) -> None:
+    pytest.importorskip("matplotlib")
+    paths = ("direct", "sidecar", "nginx")
+    sweep_level = _level(1000, 1000, 20000, 21.0) | {"held": True, "events": 3000,
+                                                      "cpu_s": {"proxy": 0.3}}
+    results: dict[str, Any] = {
+        "clock": {"shared_monotonic_clock": True},
+        "phases": {
+            "streams": {p: {"1": _streams(0.2 + i, 20.0), "256": _streams(0.3 + i, 20.1)}
+                        for i, p in enumerate(paths)},
+            "sweep": {p: {"levels": [sweep_level], "max_held_per_s": 1000.0,
+                          "cpu_rate_per_s": 1000.0, "cpu_s_per_100k": 10.0} for p in paths},
+            "idle": {p: [{"streams": 10, "proxy": p, "open": 10, "errors": 0,
+                          "rss_before": 2**20, "rss_open": 2**20 + 10240,
+                          "per_stream_bytes": 1024.0}] for p in paths[1:]},
+            "storm": {},
+        },
+        "vllm": {"measured": False, "notes": "not measured in this run"},
+        "meta": {"date": "today", "duration_s": 1, "command": "python -m bench --quick",
+                 "quick": True, "cores": 2, "cpu": "cpu", "kernel": "k", "python": "3.11",
+                 "aiohttp": "3", "uvloop": "0", "nginx": "1", "nofile": 20000,
+                 "interval_ms": 20.0, "tokens": 25, "streams": [1, 256], "workers": [1, 2],
+                 "nginx_workers": 2, "sweep_streams": 20, "sweep_rates": [1000],
+                 "sweep_s": 1.0, "cpu_rate": 1000, "idle": [10], "storm": 20, "close": "rst",
+                 "storm_interval_ms": [20.0, 100.0]},
+    }
+    text = report.write(results, tmp_path)
+    assert (tmp_path / "benchmarks.png").stat().st_size > 0, "expected the plot written"
+    assert (tmp_path / "benchmarks.md").read_text() == text
+    for path in paths:
+        assert f"| {path} | 256 |" in text, f"expected a latency row for {path} at N=256"
+    assert "| added TTFT p50 <= 0.5 ms at 256 streams | 1.000 ms | **not met** |" in text
+    assert "not measured in this run" in text
