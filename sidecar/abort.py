@@ -1,9 +1,10 @@
 """Abort: tell an engine to stop work for request ids whose client is gone.
 
 :meth:`Aborter.abort` only queues a request's ids and returns. Per engine, a flush scheduled with
-``loop.call_soon`` packs everything queued in that event-loop turn into as few calls as the
-engine allows (:attr:`~engine.base.EngineAdapter.max_ids_per_call`; vLLM takes a list), so a
-lone abort waits for nothing and a burst of disconnects becomes a few large calls::
+``loop.call_soon`` (the first step of a task, which also sends the first call) packs everything
+queued in that event-loop turn into as few calls as the engine allows
+(:attr:`~engine.base.EngineAdapter.max_ids_per_call`; vLLM takes a list), so a lone abort waits
+for nothing and a burst of disconnects becomes a few large calls::
 
     abort(ids) ──► engine queue ──(call_soon flush)──► call task (TaskSet) ──► POST abort path
                     ▲                                      │ answer: outcome to each request
