@@ -1,9 +1,10 @@
 """Abort: tell an engine to stop work for request ids whose client is gone.
 
 :meth:`Aborter.abort` only queues a request's ids and returns. Per engine, a flush scheduled with
-``loop.call_soon`` packs everything queued in that event-loop turn into as few calls as the
-engine allows (:attr:`~engine.base.EngineAdapter.max_ids_per_call`; vLLM takes a list), so a
-lone abort waits for nothing and a burst of disconnects becomes a few large calls::
+``loop.call_soon`` (the first step of a task, which also sends the first call) packs everything
+queued in that event-loop turn into as few calls as the engine allows
+(:attr:`~engine.base.EngineAdapter.max_ids_per_call`; vLLM takes a list), so a lone abort waits
+for nothing and a burst of disconnects becomes a few large calls::
 
     abort(ids) ──► engine queue ──(call_soon flush)──► call task (TaskSet) ──► POST abort path
                     ▲                                      │ answer: outcome to each request
@@ -220,7 +221,12 @@ class Aborter:
         queue.waiting_ids += len(ids)
         if not queue.flush_scheduled:
             queue.flush_scheduled = True
-            asyncio.get_running_loop().call_soon(self._scheduled_flush, queue)
+            # A task's first step is scheduled with call_soon: the flush runs in the next loop
+            # turn, and that same step sends the first call (a separate task per call would
+            # start one turn later still, which under load is tens of milliseconds).
+            flush = self._tasks.spawn(self._scheduled_flush(queue),
+                                      name=f"abort {engine.name}: flush")
+            flush.add_done_callback(lambda _: self._flush_never_ran(queue))
 
     def _make_room(self, queue: _Queue, request: _Request) -> bool:
         """Fit ``request`` into its engine's full queue; True if it now fits.
@@ -250,23 +256,40 @@ class Aborter:
         if request.settle("dropped"):
             self._finish(engine, request)
 
-    def _scheduled_flush(self, queue: _Queue) -> None:
+    async def _scheduled_flush(self, queue: _Queue) -> None:
         queue.flush_scheduled = False
-        self._flush(queue)
+        first = self._flush(queue, keep_first=True)
+        if first is not None:
+            await self._send(queue, *first)
 
-    def _flush(self, queue: _Queue) -> None:
-        """Start calls for what ``queue`` has waiting, while slots are free."""
+    def _flush_never_ran(self, queue: _Queue) -> None:
+        """The flush task was cancelled before its first step (the sidecar is stopping): what
+        it would have sent ends as cancelled, unless calls in flight will take it."""
+        if queue.flush_scheduled:
+            queue.flush_scheduled = False
+            if queue.in_flight == 0:
+                self._cancel_waiting(queue)
+
+    def _flush(self, queue: _Queue, *, keep_first: bool = False
+               ) -> tuple[AbortCall, int, list[_Request]] | None:
+        """Start calls for what ``queue`` has waiting, while slots are free. ``keep_first``:
+        the first call is returned (its slot taken) for the caller to send, not spawned."""
         engine = queue.engine
+        first = None
         while (queue.waiting and queue.in_flight < MAX_CALLS_PER_ENGINE
                and self._in_flight < MAX_CONCURRENT_CALLS):
             ids, requests = queue.take(engine.max_ids_per_call)
             call = engine.abort_call(ids)
             queue.in_flight += 1
             self._in_flight += 1
+            if keep_first and first is None:
+                first = (call, len(ids), requests)
+                continue
             self._tasks.spawn(self._send(queue, call, len(ids), requests),
                               name=f"abort {engine.name}: {len(ids)} id(s)")
         if queue.idle() and self._queues.get(engine) is queue:
             del self._queues[engine]
+        return first
 
     async def _send(self, queue: _Queue, call: AbortCall, count: int,
                     requests: list[_Request]) -> None:

@@ -22,10 +22,18 @@ the process for twice the grace period. Here: listening sockets close first (new
 refused), idle keep-alive connections are closed, running requests get ``grace_period_s`` to
 finish, then the rest are cancelled, which closes their upstreams and starts their engine aborts;
 ``cleanup()`` then finds nothing running and the app teardown waits for the abort calls.
+
+Garbage collection (:func:`tune_gc`, once the listeners are up): what exists after startup
+(modules, config, apps) is frozen out of the collector's traversal, and a young collection runs
+every ``GC_YOUNG_THRESHOLD`` net allocations instead of 700. Measured with 1,000 streams of 301
+events (``tests/load/relay_cost.py``): the longest collection pause fell from 70-86 ms to
+21-38 ms, and the collector's total time from ~340 ms to ~50 ms per 301,000 events relayed.
+Nothing else changes: cycles are still collected, only less often.
 """
 
 from __future__ import annotations
 
+import gc
 import logging
 import time
 from dataclasses import dataclass
@@ -42,6 +50,7 @@ log = logging.getLogger(__name__)
 
 # What aiohttp's own shutdown may still wait for once the drain left no request running.
 SHUTDOWN_TIMEOUT_S = 1.0
+GC_YOUNG_THRESHOLD = 10_000  # net allocations between young collections (CPython's default: 700)
 
 
 @dataclass
@@ -87,6 +96,15 @@ class Servers:
                  time.monotonic() - started, finished, cancelled)
 
 
+def tune_gc() -> None:
+    """Freeze what startup allocated out of the collector's way and collect the young
+    generation less often (see the module docstring). Idempotent enough to call per start."""
+    gc.collect()
+    gc.freeze()
+    _, middle, old = gc.get_threshold()
+    gc.set_threshold(GC_YOUNG_THRESHOLD, middle, old)
+
+
 def _bound_port(runner: web.AppRunner) -> int:
     return int(runner.addresses[0][1])
 
@@ -119,6 +137,7 @@ async def start(settings: Settings, registry: CollectorRegistry | None = None, *
         await admin_runner.setup()
         await web.TCPSite(admin_runner, settings.admin.host, settings.admin.port).start()
         admin_port = _bound_port(admin_runner)
+    tune_gc()
     log.info("proxy listening on %s:%d, admin on %s", settings.listen.host, proxy_port,
              f"{settings.admin.host}:{admin_port}" if admin_runner and settings.admin
              else "(disabled)")

@@ -2,7 +2,11 @@
 at once with a TCP reset.
 
 The sidecar runs in a process of its own (:mod:`tests.load.sidecar_process`, production wiring),
-so its event loop is not shared with the clients and the fake engine, which run here. Checked:
+and so does the fake engine (:mod:`tests.load.engine_process`): the N clients run here, and their
+work cannot delay the engine's recording of an abort call (with the engine in this process, the
+POST reached its handler ~80 ms after the sidecar sent it, measured). A client's reset time is
+taken when its socket is actually closed: uvloop's ``transport.abort()`` closes it one loop turn
+later (``loop.call_soon``), so the time is read by a callback queued right behind it. Checked:
 every cut request's engine id is named exactly once over all abort calls, no surviving request
 is named, every surviving stream arrives byte for byte as the engine sent it, and the engine
 sees the upstream connection of every cut stream close. Printed (run with ``-s``): the time from
@@ -26,7 +30,6 @@ import pytest
 
 from tests import rawhttp
 from tests.cli_process import config_tree
-from tests.fake_engine import FakeEngine
 from tests.load.common import (
     LoopLag,
     chat_request,
@@ -36,6 +39,7 @@ from tests.load.common import (
     reset,
     size_from_env,
 )
+from tests.load.engine_process import EngineProcess, engine_process
 from tests.load.sidecar_process import sidecar_process
 from tests.test_cancel import metrics, sample
 
@@ -55,7 +59,7 @@ class Stream:
     writer: asyncio.StreamWriter
     sidecar_id: str
     head: rawhttp.RawResponse
-    closed_at: float = 0.0  # time.monotonic() of the client's reset
+    closed_at: float = 0.0  # time.monotonic() once the client's reset was sent
 
     @property
     def engine_id(self) -> str:
@@ -84,41 +88,59 @@ class Cut:
     finished_in: float  # seconds from the cut to the last survivor's end
 
 
-async def cut_and_finish(engine: FakeEngine, cut: list[Stream],
+def cut_now(cut: list[Stream]) -> asyncio.Future[None]:
+    """Reset every ``cut`` stream in this event-loop turn; done once every socket is closed
+    (each reset is sent then), with each ``closed_at`` set right after its own close."""
+    loop = asyncio.get_running_loop()
+    all_closed = loop.create_future()
+
+    def closed(stream: Stream) -> None:
+        stream.closed_at = time.monotonic()
+        if stream is cut[-1]:
+            all_closed.set_result(None)
+
+    for stream in cut:
+        reset(stream.writer)  # uvloop closes the socket in a callback queued here ...
+        loop.call_soon(closed, stream)  # ... so this one runs right after it
+    return all_closed
+
+
+async def cut_and_finish(engine: EngineProcess, cut: list[Stream],
                          reading: Sequence[asyncio.Future[rawhttp.RawResponse]]) -> Cut:
     """Reset every ``cut`` stream in one event-loop turn, wait for the abort calls naming them
     and for the engine to see their upstream connections close, then for the survivors' ends."""
     cut_ids = {s.engine_id for s in cut}
     cut_sidecar_ids = {s.sidecar_id for s in cut}
     async with LoopLag() as lag:
-        for stream in cut:
-            reset(stream.writer)
-            stream.closed_at = time.monotonic()
+        await cut_now(cut)
         cut_at = cut[0].closed_at
-        done = await engine.watch.until(
-            lambda: cut_ids <= set(engine.record.aborted_ids()), GUARD_S)
+        done = await engine.until(engine.fetch_aborts,
+                                  lambda: cut_ids <= set(engine.aborted_ids()), GUARD_S)
         last_abort = time.monotonic()
-    named = cut_ids & set(engine.record.aborted_ids())
+    named = cut_ids & set(engine.aborted_ids())
     assert done, (f"expected all {len(cut)} cut requests named in abort calls within {GUARD_S}"
                   f" s; got {len(named)}")
 
-    def closed() -> set[str | None]:
-        return {g.request_id for g in engine.record.generations if g.closed_at is not None}
+    closed: set[str | None] = set()
 
-    upstreams_closed = await engine.watch.until(lambda: cut_sidecar_ids <= closed(), GUARD_S)
+    async def fetch_closed() -> None:
+        closed.update(await engine.closed())
+
+    upstreams_closed = await engine.until(fetch_closed, lambda: cut_sidecar_ids <= closed,
+                                          GUARD_S)
     assert upstreams_closed, (
         f"expected the engine to see all {len(cut)} cut streams' upstream connections close "
-        f"within {GUARD_S} s; got {len(cut_sidecar_ids & closed())}")
+        f"within {GUARD_S} s; got {len(cut_sidecar_ids & closed)}")
     async with asyncio.timeout(GUARD_S):
         bodies = await asyncio.gather(*reading)
     return Cut(bodies, cut_at, lag.worst(cut_at, last_abort), time.monotonic() - cut_at)
 
 
-async def test_storm_cuts_half_and_aborts_exactly_those(engine: FakeEngine,
-                                                        tmp_path: Path) -> None:
+async def test_storm_cuts_half_and_aborts_exactly_those(tmp_path: Path) -> None:
     cut_n, survive_n = N // 2, N - N // 2
     gate = asyncio.Semaphore(CONNECT_AT_ONCE)
-    async with sidecar_process(tmp_path, config_tree(engine.url)) as sidecar:
+    async with engine_process() as engine, \
+            sidecar_process(tmp_path, config_tree(engine.url)) as sidecar:
 
         async def opened(query: str, tag: str) -> Stream:
             async with gate:
@@ -145,22 +167,23 @@ async def test_storm_cuts_half_and_aborts_exactly_those(engine: FakeEngine,
         values = await metrics(sidecar.admin_port)
         for stream in survivors:
             stream.writer.close()
+        aborts = await engine.fetch_aborts()
 
-    named = Counter(engine.record.aborted_ids())
+    named = Counter(engine.aborted_ids())
     first_call: dict[str, float] = {}  # engine id -> arrival of the first call naming it
-    for call in engine.record.aborts:
-        for engine_id in call.ids:
-            first_call.setdefault(engine_id, call.at)
+    for at, ids in aborts:
+        for engine_id in ids:
+            first_call.setdefault(engine_id, at)
     latencies = [first_call[s.engine_id] - s.closed_at for s in cut]
-    sizes = [len(a.ids) for a in engine.record.aborts]
+    sizes = [len(ids) for _, ids in aborts]
     own = (sample(values, "cancel_sidecar_abort_latency_seconds_sum", engine="local")
            / max(1.0, sample(values, "cancel_sidecar_abort_latency_seconds_count",
                              engine="local")))
     print(f"\n[storm] N={N}: {cut_n} cut, {survive_n} survived; opened in {opened_in:.1f} s; "
           f"{len(sizes)} abort call(s), sizes {sizes}\n[storm] client reset -> abort call at "
           f"the engine: median {ms(median(latencies))}, p99 {ms(percentile(latencies, 0.99))}, "
-          f"max {ms(max(latencies))}\n[storm] meanwhile this process's loop (clients and "
-          f"engine) ran up to {ms(run.worst_lag)} late; the sidecar's own mean from noticing a "
+          f"max {ms(max(latencies))}\n[storm] meanwhile this process's loop (the clients) "
+          f"ran up to {ms(run.worst_lag)} late; the sidecar's own mean from noticing a "
           f"disconnect to the engine's answer: {ms(own)}; it used {busy:.0%} of a CPU from the "
           f"first connection to the last stream's end, {run.finished_in:.1f} s after the cut")
 
