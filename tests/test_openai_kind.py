@@ -13,6 +13,7 @@ from __future__ import annotations
 import asyncio
 import time
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import aiohttp
@@ -21,7 +22,7 @@ import pytest
 import yaml
 
 from engine import build_adapters
-from sidecar.config import parse_config
+from sidecar.config import load_config, parse_config
 from sidecar.errors import ConfigError
 from sidecar.server import Servers
 from tests.conftest import sidecar_settings
@@ -246,3 +247,11 @@ def test_openai_engine_defaults_and_health_path() -> None:
         parse_config(_config({"health_path": "v1/models"}), "<test>", env={})
     assert [p.location for p in info.value.problems] == ["engines.local.health_path"], (
         info.value.problems)
+
+
+def test_example_config_is_valid() -> None:
+    path = Path(__file__).resolve().parent.parent / "config" / "examples" / "openai.yaml"
+    settings = load_config(path, env={})
+    assert (settings.listen.port, str(settings.engines["llama"].url)) == (
+        8081, "http://127.0.0.1:8080/"), settings
+    assert build_adapters(settings.engines)["llama"].health_path == "/health"
