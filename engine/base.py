@@ -8,7 +8,9 @@ An adapter answers three questions for the proxy, all pure functions of the requ
    from the path, the sidecar request id and, where the count depends on it, the body);
 3. which HTTP call aborts a batch of ids (:meth:`EngineAdapter.abort_call`, at most
    :attr:`EngineAdapter.max_ids_per_call` of them; the sidecar batches the ids of many requests
-   into one call).
+   into one call). A kind without an abort endpoint (:attr:`EngineAdapter.aborts` false: the
+   ``openai`` kind) names no engine ids, so nothing is ever aborted and a disconnect only closes
+   the upstream connection; ``/readyz`` then probes no abort endpoint.
 
 The proxy owns all network I/O; adapters never touch a socket, so each can be tested exhaustively
 (and property-tested) on its own.
@@ -36,7 +38,12 @@ class EngineAdapter(abc.ABC):
     """How one engine kind is tagged and aborted. One instance per configured engine."""
 
     kind: ClassVar[EngineKind]
+    # False for a kind with no abort endpoint: engine_request_ids is always empty and
+    # abort_call raises; /readyz only checks the health path.
+    aborts: ClassVar[bool] = True
     default_abort_path: ClassVar[str | None]
+    # What /readyz GETs (2xx: the engine is up) unless engines.NAME.health_path says otherwise.
+    default_health_path: ClassVar[str] = "/health"
     # How many ids one abort call may name: 1 for an engine that aborts one id per call.
     max_ids_per_call: ClassVar[int]
 
@@ -45,6 +52,7 @@ class EngineAdapter(abc.ABC):
         self.settings = settings
         self.base_url = str(settings.url).rstrip("/")
         self.abort_path = settings.abort.path or self.default_abort_path
+        self.health_path = settings.health_path or self.default_health_path
         configured = {self.abort_path.rstrip("/")} if self.abort_path else set()
         self._forbidden_paths = self.extra_forbidden_paths | configured
 
@@ -93,7 +101,8 @@ class EngineAdapter(abc.ABC):
     @abc.abstractmethod
     def abort_call(self, ids: tuple[str, ...]) -> AbortCall:
         """The one call that aborts ``ids`` (1 to :attr:`max_ids_per_call` of them, possibly of
-        several requests). Raises ``ValueError`` on an empty tuple or too many ids."""
+        several requests). Raises ``ValueError`` on an empty tuple or too many ids, or if the kind
+        has no abort endpoint (:attr:`aborts` false)."""
 
     def abort_calls(self, ids: tuple[str, ...]) -> list[AbortCall]:
         """The calls that abort ``ids`` (non-empty): chunks of at most :attr:`max_ids_per_call`,

@@ -140,17 +140,18 @@ READY_TIMEOUT_S = 2.0
 
 
 async def _engine_ready(session: aiohttp.ClientSession, adapter: EngineAdapter) -> str:
-    """``ok``, or what is wrong: the engine's ``GET /health`` must answer 2xx, and its abort
-    endpoint must accept a call naming one id that no request can have (a real call: unknown
-    ids are ignored by vLLM; never an empty list)."""
+    """``ok``, or what is wrong: the engine's ``GET <health path>`` (vllm: ``/health``) must
+    answer 2xx, and, for a kind that aborts, its abort endpoint must accept a call naming one id
+    that no request can have (a real call: unknown ids are ignored by vLLM; never an empty
+    list). A kind without an abort endpoint (``openai``) gets no abort probe."""
     probe = (f"cancel-sidecar-readiness-probe-{uuid.uuid4().hex}",)
     try:
         async with asyncio.timeout(READY_TIMEOUT_S):
-            async with session.get(adapter.base_url + "/health") as resp:
+            async with session.get(adapter.base_url + adapter.health_path) as resp:
                 await resp.read()
                 if resp.status >= 300:
-                    return f"health: HTTP {resp.status}"
-            for call in adapter.abort_calls(probe):
+                    return f"health {adapter.health_path}: HTTP {resp.status}"
+            for call in adapter.abort_calls(probe) if adapter.aborts else ():
                 async with session.post(adapter.base_url + call.path, json=call.json,
                                         headers=adapter.abort_headers()) as resp:
                     await resp.read()
@@ -164,7 +165,7 @@ async def _engine_ready(session: aiohttp.ClientSession, adapter: EngineAdapter) 
 
 
 async def _readyz(request: web.Request) -> web.Response:
-    """Ready (200) when every engine is healthy and its abort endpoint usable, checked
+    """Ready (200) when every engine is healthy and its abort endpoint (if any) usable, checked
     concurrently within ``READY_TIMEOUT_S`` each; else 503 with what is wrong per engine."""
     runtime = request.app[RUNTIME].current
     session = runtime.sessions[0]

@@ -50,6 +50,7 @@ class EngineKind(enum.StrEnum):
     """Engine kinds with an adapter in ``engine/``."""
 
     VLLM = "vllm"
+    OPENAI = "openai"
 
 
 MAX_SECONDS = 365 * 24 * 3600.0  # a year: longer waits are typos, and overflow the loop's timers
@@ -91,7 +92,7 @@ def _route_prefix(value: str) -> str:
     return value
 
 
-def _abort_path(value: str | None) -> str | None:
+def _http_path(value: str | None) -> str | None:
     if value is not None and not value.startswith("/"):
         raise ValueError("must be an absolute path starting with '/'")
     if value is not None and any(ord(c) <= 32 or ord(c) == 127 for c in value):
@@ -130,17 +131,22 @@ class AbortSettings(_Model):
     :mod:`sidecar.abort` for which failures are retried).
     """
 
-    path: Annotated[str | None, AfterValidator(_abort_path)] = None
+    path: Annotated[str | None, AfterValidator(_http_path)] = None
     api_key: Annotated[SecretStr | None, AfterValidator(_api_key)] = None
     timeout_s: Seconds = 2.0
     retries: Annotated[int, Field(ge=0, le=10), NotBool] = 2
 
 
 class EngineSettings(_Model):
-    """One engine (upstream) the sidecar proxies to and aborts on."""
+    """One engine (upstream) the sidecar proxies to and aborts on.
+
+    ``health_path``: what ``/readyz`` GETs on the engine (a 2xx answer means it is up); the
+    default depends on the kind (vllm: ``/health``, openai: ``/v1/models``).
+    """
 
     kind: EngineKind
     url: AnyHttpUrl
+    health_path: Annotated[str | None, AfterValidator(_http_path)] = None
     abort: AbortSettings = AbortSettings()
 
     @model_validator(mode="after")
@@ -307,10 +313,30 @@ def _scrub(problems: list[ConfigProblem], secrets: set[str]) -> list[ConfigProbl
     return [ConfigProblem(p.location, clean(p.message) or "", clean(p.value)) for p in problems]
 
 
+# Kinds whose engines have no abort endpoint: a disconnect only closes the upstream connection.
+KINDS_WITHOUT_ABORT = frozenset({EngineKind.OPENAI})
+
+
+def _abort_without_endpoint(engines: Any) -> list[ConfigProblem]:
+    """An ``abort`` section on an engine of a kind that cannot abort is a mistake (the user
+    expects aborts that will never happen): located at ``engines.NAME.abort``."""
+    problems = []
+    for name, engine in engines.items() if isinstance(engines, dict) else ():
+        if isinstance(engine, dict) and "abort" in engine and engine.get("kind") in {
+                k.value for k in KINDS_WITHOUT_ABORT}:
+            problems.append(ConfigProblem(
+                f"engines.{name}.abort",
+                f"engine kind {engine['kind']} has no abort endpoint (a disconnect only closes "
+                "the upstream connection); remove this section, or use a kind that aborts "
+                "(vllm) if the engine is one", _render_value(("engines", name, "abort"),
+                                                              engine["abort"])))
+    return problems
+
+
 def _cross_reference(raw: dict[str, Any]) -> list[ConfigProblem]:
     """Checks across sections, on the raw tree so they run even when the schema check failed."""
-    problems: list[ConfigProblem] = []
     engines = raw.get("engines")
+    problems = _abort_without_endpoint(engines)
     routes = raw.get("routes")
     names = set(engines) if isinstance(engines, dict) else None
     seen: dict[str, int] = {}
