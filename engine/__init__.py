@@ -9,11 +9,13 @@ from __future__ import annotations
 from collections.abc import Mapping
 
 from engine.base import AbortCall, EngineAdapter
+from engine.sglang import SGLangAdapter
 from engine.vllm import VLLMAdapter
 from sidecar.config import EngineKind, EngineSettings
 
 ADAPTERS: Mapping[EngineKind, type[EngineAdapter]] = {
     EngineKind.VLLM: VLLMAdapter,
+    EngineKind.SGLANG: SGLangAdapter,
 }
 
 

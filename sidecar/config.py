@@ -50,6 +50,7 @@ class EngineKind(enum.StrEnum):
     """Engine kinds with an adapter in ``engine/``."""
 
     VLLM = "vllm"
+    SGLANG = "sglang"
 
 
 MAX_SECONDS = 365 * 24 * 3600.0  # a year: longer waits are typos, and overflow the loop's timers
