@@ -9,6 +9,7 @@ import asyncio
 import json
 import uuid
 from collections.abc import AsyncIterator, Callable
+from pathlib import Path
 from typing import Any
 
 import aiohttp
@@ -19,7 +20,7 @@ from hypothesis import strategies as st
 
 from engine import build_adapters
 from engine.sglang import SGLangAdapter
-from sidecar.config import EngineSettings, Settings
+from sidecar.config import EngineSettings, Settings, parse_config
 from sidecar.server import Servers
 from tests.conftest import sidecar_settings
 from tests.fake_sglang import FakeSGLang
@@ -304,3 +305,11 @@ async def test_readyz_probes_the_abort_route(
     (call,) = sglang.record.abort_calls
     assert set(call) == {"rid"} and call["rid"].startswith("cancel-sidecar-readiness-probe-")
     assert sglang.record.aborted == []
+
+
+def test_example_config_builds_an_sglang_adapter() -> None:
+    text = (Path(__file__).parent.parent / "config/examples/sglang.yaml").read_text()
+    settings = parse_config(text, "config/examples/sglang.yaml", env={})
+    (built,) = build_adapters(settings.engines).values()
+    assert isinstance(built, SGLangAdapter) and built.abort_path == "/abort_request"
+    assert built.abort_headers() == {}, "an empty key must send no Authorization header"
