@@ -142,7 +142,8 @@ READY_TIMEOUT_S = 2.0
 async def _engine_ready(session: aiohttp.ClientSession, adapter: EngineAdapter) -> str:
     """``ok``, or what is wrong: the engine's ``GET /health`` must answer 2xx, and its abort
     endpoint must accept a call naming one id that no request can have (a real call: unknown
-    ids are ignored by vLLM; never an empty list)."""
+    ids are ignored by vLLM and SGLang, so it proves the route and key only; never an empty
+    list)."""
     probe = (f"cancel-sidecar-readiness-probe-{uuid.uuid4().hex}",)
     try:
         async with asyncio.timeout(READY_TIMEOUT_S):

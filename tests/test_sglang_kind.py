@@ -160,8 +160,10 @@ async def sglang() -> AsyncIterator[FakeSGLang]:
 
 
 def sglang_settings(url: str) -> Settings:
+    # A short grace: a failing test leaves a stream open, and teardown should not wait 30 s.
     return sidecar_settings(url, engines={"local": {"kind": "sglang", "url": url,
-                                                    "abort": {"timeout_s": 2.0}}})
+                                                    "abort": {"timeout_s": 2.0}}},
+                            lifecycle={"grace_period_s": 1.0})
 
 
 async def _post(port: int, path: str, body: dict[str, Any], query: str = ""
