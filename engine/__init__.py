@@ -10,12 +10,14 @@ from collections.abc import Mapping
 
 from engine.base import AbortCall, EngineAdapter
 from engine.openai import OpenAIAdapter
+from engine.sglang import SGLangAdapter
 from engine.vllm import VLLMAdapter
 from sidecar.config import EngineKind, EngineSettings
 
 ADAPTERS: Mapping[EngineKind, type[EngineAdapter]] = {
     EngineKind.VLLM: VLLMAdapter,
     EngineKind.OPENAI: OpenAIAdapter,
+    EngineKind.SGLANG: SGLangAdapter,
 }
 
 

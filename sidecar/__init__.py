@@ -3,7 +3,8 @@
 Data flow for one request (modules named after the nouns)::
 
     client request ──► route (route.py: longest prefix -> engine)
-                   ──► engine adapter tags ids (engine/: X-Request-Id = a sidecar-minted id)
+                   ──► engine adapter tags ids (engine/: X-Request-Id, or a body field such
+                       as SGLang's rid, = a sidecar-minted id)
                    ──► upstream stream (upstream.py: pooled; body and response relayed per chunk)
     client disconnect (aiohttp cancels the handler: proxy.py)
                    ──► upstream closed + engine abort (abort.py: own task, bounded, counted)

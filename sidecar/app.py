@@ -140,10 +140,11 @@ READY_TIMEOUT_S = 2.0
 
 
 async def _engine_ready(session: aiohttp.ClientSession, adapter: EngineAdapter) -> str:
-    """``ok``, or what is wrong: the engine's ``GET <health path>`` (vllm: ``/health``) must
-    answer 2xx, and, for a kind that aborts, its abort endpoint must accept a call naming one id
-    that no request can have (a real call: unknown ids are ignored by vLLM; never an empty
-    list). A kind without an abort endpoint (``openai``) gets no abort probe."""
+    """``ok``, or what is wrong: the engine's ``GET <health path>`` (vllm, sglang: ``/health``)
+    must answer 2xx, and, for a kind that aborts, its abort endpoint must accept a call naming one
+    id that no request can have (a real call: unknown ids are ignored by vLLM and SGLang, so it
+    proves the route and key only; never an empty list). A kind without an abort endpoint
+    (``openai``) gets no abort probe."""
     probe = (f"cancel-sidecar-readiness-probe-{uuid.uuid4().hex}",)
     try:
         async with asyncio.timeout(READY_TIMEOUT_S):

@@ -51,6 +51,7 @@ class EngineKind(enum.StrEnum):
 
     VLLM = "vllm"
     OPENAI = "openai"
+    SGLANG = "sglang"
 
 
 MAX_SECONDS = 365 * 24 * 3600.0  # a year: longer waits are typos, and overflow the loop's timers

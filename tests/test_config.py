@@ -42,7 +42,7 @@ def test_secrets_never_appear_in_config_errors(text: str) -> None:
 
 def test_every_problem_is_located() -> None:
     message = problems_of(
-        "listen: {port: 70000}\nlog_level: LOUD\nengines:\n  a: {kind: sglang, url: 'ftp://x'}\n"
+        "listen: {port: 70000}\nlog_level: LOUD\nengines:\n  a: {kind: tgi, url: 'ftp://x'}\n"
         "routes:\n  - {prefix: v1, engine: b}\n")
     for location in ("listen.port", "log_level", "engines.a.kind", "engines.a.url",
                      "routes.0.prefix", "routes.0.engine"):

@@ -1,0 +1,174 @@
+"""SGLang adapter: write ``rid`` into the body, abort through ``POST /abort_request {"rid": id}``.
+
+Facts (SGLang 0.5.23, the PyPI wheel's source; ``tests/sglang_facts.md`` has each with its file
+and function, and where issue 4's claims hold):
+
+- SGLang ignores ``X-Request-Id``: the id is the body field ``rid`` of ``GenerateReqInput``
+  (``/generate``), ``CompletionRequest`` and ``ChatCompletionRequest`` (``srt/entrypoints/openai/
+  protocol.py``), passed on as ``rid=request.rid``; absent, SGLang picks ``uuid4().hex``. So on
+  those three routes the sidecar sets ``rid`` to its own id (a client's value is overwritten).
+  With ``SGLANG_ENABLE_REQUEST_HEADER_OVERRIDES`` the header ``X-Override-Rid`` wins over the
+  body (``srt/entrypoints/request_headers.py``): the sidecar overwrites that header too.
+- Ids per request, with ``{id}`` the sidecar id (``srt/managers/io_struct.py``,
+  ``GenerateReqInput._determine_batch_size`` / ``_normalize_rid``): a single prompt runs as
+  ``{id}``; a batch of B prompts (``text`` a list, ``input_ids`` a list of lists, an OpenAI
+  ``prompt`` list of strings or of token lists) runs as ``{id}_0`` .. ``{id}_{B-1}``.
+- ``n > 1`` (``sampling_params.n``, OpenAI ``n``): every sample, and the prefix warm-up run
+  before them, gets a fresh ``uuid4().hex`` (``srt/managers/tokenizer_manager.py``,
+  ``_handle_batch_request`` -> ``regenerate_rid``), and the ``{id}_{i}`` states are dropped
+  before the samples start. No id the sidecar knows reaches them: such a request is not
+  aborted by id; the sidecar closes its upstream (SGLang's own disconnect check may then abort
+  it) and logs a warning with the request id.
+- ``POST /abort_request`` takes ``{"rid": str, "abort_all": bool}`` (``AbortReq``) and answers
+  200 whatever the id. ``TokenizerManager.abort_request`` drops an empty rid, and with one
+  tokenizer worker drops a rid that is not exactly a live request's; otherwise the scheduler
+  (``Scheduler.abort_request``) aborts every request whose rid ``startswith`` it. So an abort
+  names each exact id; ``{id}_1`` also matching ``{id}_10`` stays within the same request.
+  Sidecar ids are ``uuid4().hex``: 32 characters each, and a string is a prefix of another of
+  the same length only if they are equal, so no request's ids reach another's.
+- One rid per call (``rid`` is ``Optional[str]``): ``max_ids_per_call = 1``. Never
+  ``abort_all``; clients may not reach the endpoints that abort others' work.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from collections.abc import MutableMapping
+from typing import Any
+
+from engine.base import AbortCall, EngineAdapter
+from sidecar.config import EngineKind, EngineSettings
+
+log = logging.getLogger(__name__)
+
+OVERRIDE_RID_HEADER = "X-Override-Rid"
+# POST routes where SGLang reads ``rid`` from the body.
+GENERATE = "/generate"
+COMPLETIONS = "/v1/completions"
+CHAT = "/v1/chat/completions"
+BODY_RID_ROUTES = frozenset({GENERATE, COMPLETIONS, CHAT})
+
+
+def _parse_json(body: bytes | None) -> Any:
+    if body is None:
+        return None
+    try:
+        return json.loads(body)
+    except (ValueError, RecursionError):
+        return None
+
+
+def _list_size(value: Any, single_item: type | tuple[type, ...]) -> int | None:
+    """``len(value)`` if ``value`` is a batch (a non-empty list whose first item is not a
+    ``single_item``), else ``None`` (one input)."""
+    if isinstance(value, list) and value and not isinstance(value[0], single_item):
+        return len(value)
+    return None
+
+
+def batch_size(path: str, body: Any) -> int | None:
+    """Number of prompts SGLang runs for a batch request, or ``None`` for a single one.
+
+    ``/generate``: ``text`` (str | list[str]), else ``input_ids`` (list[int] |
+    list[list[int]]), else ``input_embeds`` (one list of float rows | a list of those).
+    ``/v1/completions``: ``prompt`` a list of strings is ``text``, any other list is
+    ``input_ids`` (``serving_completions.py``). Chat is always single. Malformed: single.
+    """
+    if not isinstance(body, dict):
+        return None
+    if path == GENERATE:
+        if body.get("text") is not None:
+            text = body["text"]
+            return len(text) if isinstance(text, list) else None
+        if body.get("input_ids") is not None:
+            return _list_size(body["input_ids"], int)
+        embeds = body.get("input_embeds")
+        if isinstance(embeds, list) and embeds and isinstance(embeds[0], list) and embeds[0]:
+            return None if isinstance(embeds[0][0], float | int) else len(embeds)
+        return None
+    if path == COMPLETIONS:
+        prompt = body.get("prompt")
+        if isinstance(prompt, list) and prompt and isinstance(prompt[0], str):
+            return len(prompt)
+        return _list_size(prompt, int)
+    return None
+
+
+def samples(path: str, body: Any) -> int:
+    """``n``, the samples per prompt (``sampling_params.n`` for ``/generate``, the first entry
+    of a list; OpenAI ``n`` otherwise); 1 when absent or malformed."""
+    if not isinstance(body, dict):
+        return 1
+    if path == GENERATE:
+        params = body.get("sampling_params")
+        if isinstance(params, list):
+            params = params[0] if params else None
+        n = params.get("n", 1) if isinstance(params, dict) else 1
+    else:
+        n = body.get("n", 1)
+    return n if isinstance(n, int) and not isinstance(n, bool) and n > 1 else 1
+
+
+class SGLangAdapter(EngineAdapter):
+    """Adapter for SGLang's HTTP server (``sglang.srt.entrypoints.http_server``)."""
+
+    kind = EngineKind.SGLANG
+    default_abort_path = "/abort_request"
+    max_ids_per_call = 1
+    # Endpoints that abort work clients do not own: ``/abort_request`` (any rid, or
+    # ``abort_all``), ``/pause_generation`` (``mode: abort`` aborts every request) and
+    # ``/update_weight_version`` (``abort_all_requests``).
+    extra_forbidden_paths = frozenset({"/abort_request", "/pause_generation",
+                                       "/update_weight_version"})
+
+    def __init__(self, name: str, settings: EngineSettings) -> None:
+        super().__init__(name, settings)
+        log.warning("engine %s (sglang): requests with n > 1 cannot be aborted by id (SGLang "
+                    "gives each sample a fresh random rid); on a disconnect only their upstream "
+                    "is closed. Routes other than %s are not tagged and are not aborted by id",
+                    name, ", ".join(sorted(BODY_RID_ROUTES)))
+
+    def tag(self, path: str, sidecar_id: str, headers: MutableMapping[str, str]) -> None:
+        # Only read when SGLANG_ENABLE_REQUEST_HEADER_OVERRIDES is set; then it beats the body.
+        headers[OVERRIDE_RID_HEADER] = sidecar_id
+
+    def rewrites_body(self, method: str, path: str) -> bool:
+        return method == "POST" and path in BODY_RID_ROUTES
+
+    def rewrite_body(self, method: str, path: str, sidecar_id: str, body: bytes) -> bytes | None:
+        """Set ``rid`` to ``sidecar_id``, replacing any value (string or list) the client sent:
+        a client never chooses the id an abort names. ``None`` for a body that is not a JSON
+        object (SGLang rejects it itself)."""
+        parsed = _parse_json(body)
+        if not isinstance(parsed, dict):
+            return None
+        parsed["rid"] = sidecar_id
+        return json.dumps(parsed, separators=(",", ":")).encode()
+
+    def wants_body(self, method: str, path: str) -> bool:
+        return self.rewrites_body(method, path)
+
+    def engine_request_ids(
+        self, method: str, path: str, sidecar_id: str, body: bytes | None
+    ) -> tuple[str, ...]:
+        if not self.rewrites_body(method, path):
+            return ()
+        parsed = _parse_json(body)
+        n = samples(path, parsed)
+        if n > 1:
+            log.warning("request %s: n=%d samples run under fresh SGLang rids; not aborted by "
+                        "id, only its upstream is closed", sidecar_id, n)
+            return ()
+        size = batch_size(path, parsed)
+        if size is None:
+            return (sidecar_id,)
+        return tuple(f"{sidecar_id}_{i}" for i in range(size))
+
+    def abort_call(self, ids: tuple[str, ...]) -> AbortCall:
+        """``POST <abort path>`` with ``{"rid": id}``: exactly one non-empty id (an empty rid
+        would prefix-match every request in a multi-worker SGLang)."""
+        if len(ids) != 1 or not ids[0]:
+            raise ValueError(f"an SGLang abort call names exactly one non-empty rid, got {ids!r}")
+        assert self.abort_path is not None
+        return AbortCall(self.abort_path, {"rid": ids[0]})
