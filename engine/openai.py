@@ -15,7 +15,9 @@ completion). That is why close-only is weaker than the ``vllm`` kind's abort.
 - ``/readyz`` only GETs ``health_path`` (default ``/v1/models``, which every OpenAI-compatible
   server and hosted API serves; llama.cpp and TGI also answer ``/health``, Ollama ``/`` and
   ``/api/version``). The config rejects an ``abort`` section on such an engine
-  (``sidecar.config.KINDS_WITHOUT_ABORT``).
+  (``sidecar.config.KINDS_WITHOUT_ABORT``), and so does naming such an engine in a route's
+  ``abort`` list. Such an engine can still be a route's proxied ``engine`` while the route aborts
+  others (``routes[].abort``: a P/D router in front of vLLM prefill and decode engines).
 """
 
 from __future__ import annotations

@@ -2,12 +2,13 @@
 
 Data flow for one request (modules named after the nouns)::
 
-    client request ──► route (route.py: longest prefix -> engine)
+    client request ──► route (route.py: longest prefix -> engine, and the engines to abort)
                    ──► engine adapter tags ids (engine/: X-Request-Id, or a body field such
                        as SGLang's rid, = a sidecar-minted id)
                    ──► upstream stream (upstream.py: pooled; body and response relayed per chunk)
     client disconnect (aiohttp cancels the handler: proxy.py)
-                   ──► upstream closed + engine abort (abort.py: own task, bounded, counted)
+                   ──► upstream closed + engine abort (abort.py: own task, bounded, counted;
+                       one per abort engine of the route, concurrently)
 
 ``config.py`` turns YAML into frozen settings; ``runtime.py`` turns settings into one swappable
 generation (adapters, router, sessions; SIGHUP swaps it) and counts requests in flight;

@@ -12,7 +12,7 @@ Shape (see ``config/sidecar.yaml`` for the commented reference)::
     downstream: {idle_timeout_s, body_timeout_s, max_body_bytes, write_buffer_bytes}
     upstream: {connect_timeout_s, first_byte_timeout_s, read_timeout_s, keepalive_timeout_s, ...}
     engines:  {NAME: {kind, url, abort: {path, api_key, timeout_s, retries}}}
-    routes:   [{prefix, engine}]
+    routes:   [{prefix, engine, abort}]           abort: the engines to abort (default [engine])
     lifecycle: {grace_period_s}                  how long a stop waits for in-flight requests
 
 A running sidecar re-reads the file on SIGHUP (see :mod:`sidecar.runtime`): engines, routes,
@@ -208,10 +208,22 @@ class UpstreamSettings(_Model):
 
 
 class RouteSettings(_Model):
-    """Requests whose path is ``prefix`` or lies below it go to ``engine``."""
+    """Requests whose path is ``prefix`` or lies below it go to ``engine``.
+
+    ``abort``: the engines whose abort endpoint a cancelled request of this route is sent to,
+    each with the ids its own kind derives; omitted, just ``engine``. When given it is the
+    complete list (fan-out: prefill and decode engines behind a router of kind ``openai``, or
+    every data-parallel replica); every name must be a defined engine of a kind that aborts,
+    each named once (checked in :func:`_cross_reference`).
+    """
 
     prefix: RoutePrefix
     engine: str
+    abort: Annotated[list[str] | None, Field(min_length=1)] = None
+
+    def abort_engines(self) -> tuple[str, ...]:
+        """The names of the engines a cancelled request of this route is aborted at."""
+        return (self.engine,) if self.abort is None else tuple(self.abort)
 
 
 class LifecycleSettings(_Model):
@@ -334,6 +346,34 @@ def _abort_without_endpoint(engines: Any) -> list[ConfigProblem]:
     return problems
 
 
+def _route_aborts(i: int, names: Any, engines: Any) -> list[ConfigProblem]:
+    """``routes.N.abort``: each name a defined engine of a kind that aborts, named once."""
+    if not isinstance(names, list) or not isinstance(engines, dict):
+        return []
+    problems = []
+    first: dict[str, int] = {}
+    for j, name in enumerate(names):
+        loc = f"routes.{i}.abort.{j}"
+        if not isinstance(name, str):
+            continue
+        engine = engines.get(name)
+        if name in first:
+            problems.append(ConfigProblem(loc, f"duplicates routes.{i}.abort.{first[name]}",
+                                          repr(name)))
+        elif engine is None:
+            defined = ", ".join(sorted(map(str, engines))) or "none"
+            problems.append(ConfigProblem(loc, f"names no defined engine (defined: {defined})",
+                                          repr(name)))
+        elif isinstance(engine, dict) and engine.get("kind") in {
+                k.value for k in KINDS_WITHOUT_ABORT}:
+            problems.append(ConfigProblem(
+                loc, f"engine {name} is of kind {engine['kind']}, which has no abort endpoint; "
+                "list only engines that abort (e.g. the vllm prefill and decode engines behind "
+                "a router)", repr(name)))
+        first.setdefault(name, j)
+    return problems
+
+
 def _cross_reference(raw: dict[str, Any]) -> list[ConfigProblem]:
     """Checks across sections, on the raw tree so they run even when the schema check failed."""
     engines = raw.get("engines")
@@ -350,6 +390,7 @@ def _cross_reference(raw: dict[str, Any]) -> list[ConfigProblem]:
             problems.append(ConfigProblem(
                 f"routes.{i}.engine", f"names no defined engine (defined: {defined})",
                 repr(engine)))
+        problems.extend(_route_aborts(i, route.get("abort"), engines))
         if isinstance(prefix, str):
             if prefix in seen:
                 problems.append(ConfigProblem(

@@ -24,8 +24,10 @@ requests, run in their own tasks and outlive the handler). JSON fields, in order
     abort                null, or the final outcome (after retries) of the call(s) that
                          carried the request's ids: ok, http_<status>, timeout, error
                          (cancelled: the sidecar shut down before the call ended;
-                         dropped: the engine's abort queue was full)
-    abort_latency_s      seconds from noticing the disconnect to that outcome, or null
+                         dropped: the engine's abort queue was full); with several abort
+                         engines (routes[].abort) the first that was not ok over them all
+    abort_latency_s      seconds from noticing the disconnect to that outcome (the slowest
+                         engine's), or null
 
 Nothing secret is ever logged: no header values, no query strings, no abort key.
 """

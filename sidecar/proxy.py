@@ -106,7 +106,7 @@ class Exchange:
         client_id = headers.popall(REQUEST_ID, None)
         if client_id:
             headers[CLIENT_REQUEST_ID] = client_id[0]
-        engine.tag(request.path, self.id, headers)
+        self.target.tag(request.path, self.id, headers)
         try:
             self.body = await self._request_body(headers)
         except DownstreamError as exc:
@@ -123,7 +123,7 @@ class Exchange:
             return self._fail(exc)
         self.upstream = upstream
         self.metrics.upstream_ttfb.labels(engine.name).observe(time.monotonic() - started)
-        if not engine.wants_body(request.method, request.path):
+        if not self.target.wants_body(request.method, request.path):
             self.body.drop_copy()
 
         if has_forbidden_characters(upstream.headers):
@@ -169,7 +169,7 @@ class Exchange:
     async def _request_body(self, headers: CIMultiDict[str]) -> RequestBody:
         """The body to relay, read under the request's ``downstream`` limits. Raises
         :class:`RequestBodyTooLarge` at once for a Content-Length over ``max_body_bytes``."""
-        request, engine = self.request, self.target.engine
+        request = self.request
         keep = self.runtime.settings.upstream.replay_buffer_bytes
         limits = self.runtime.settings.downstream
         if not request.body_exists:
@@ -178,7 +178,7 @@ class Exchange:
         if limit and length is not None and length > limit:
             raise RequestBodyTooLarge(
                 f"Content-Length {length} is over the limit of {limit} bytes")
-        if engine.rewrites_body(request.method, request.path):
+        if self.target.rewrites_body(request.method, request.path):
             return await self._rewritten_body(headers, keep)
         return RequestBody(request.content, keep, limits=limits)
 
@@ -189,7 +189,7 @@ class Exchange:
         request id, so this request cannot be aborted by id (logged). Raises
         :class:`~sidecar.errors.DownstreamError` if the body breaks a ``downstream`` limit.
         """
-        request, engine = self.request, self.target.engine
+        request = self.request
         limits = self.runtime.settings.downstream
         chunks: list[bytes] = []
         size = 0
@@ -201,7 +201,7 @@ class Exchange:
                         "request id and cannot be aborted", self.id, limit)
             return RequestBody(request.content, limit, chunks, limits)
         body = b"".join(chunks)
-        new = engine.rewrite_body(request.method, request.path, self.id, body)
+        new = self.target.rewrite_body(request.method, request.path, self.id, body)
         if new is not None:
             headers["Content-Length"] = str(len(new))
         return RequestBody.of(body if new is None else new)
@@ -222,21 +222,25 @@ class Exchange:
 
     def _stop(self, reason: str, *, disconnect: bool) -> None:
         noticed_at = time.monotonic()
-        engine, request = self.target.engine, self.request
+        request = self.request
         body = self.body.copy() if self.body else None
         phase = self.phase = self._phase(body)
         if disconnect:
             self.metrics.disconnects.labels(self.target.prefix, phase).inc()
-        ids: tuple[str, ...] = ()
+        aborting = 0
         if phase != "request_body":
-            ids = engine.engine_request_ids(request.method, request.path, self.id, body)
-        if ids:
-            self.aborter.abort(engine, ids, self.id, noticed_at, self.access)
+            # One call per abort engine (routes[].abort), queued in this same loop turn: the
+            # engines' calls run concurrently, each with the ids its own kind derives.
+            for engine in self.target.aborts:
+                ids = engine.engine_request_ids(request.method, request.path, self.id, body)
+                if ids:
+                    self.aborter.abort(engine, ids, self.id, noticed_at, self.access)
+                    aborting += len(ids)
         if self.upstream is not None:
             self.upstream.close()
         self.upstream_finished = True
         log.info("request %s: %s during %s; upstream closed, %s", self.id, reason, phase,
-                 f"aborting {len(ids)} engine id(s)" if ids else "nothing to abort")
+                 f"aborting {aborting} engine id(s)" if aborting else "nothing to abort")
 
     def _phase(self, body: bytes | None) -> str:
         """Where the request was when it stopped: ``request_body`` (the engine never had all of
@@ -342,7 +346,7 @@ async def handle(request: web.Request, runtime: Runtime) -> web.StreamResponse:
                        "route_not_found")
     if target_path is None:
         return _refuse(request, 400, "the request target must be a path", "invalid_request")
-    if request.path.rstrip("/") in target.engine.forbidden_paths():
+    if request.path.rstrip("/") in target.forbidden_paths:
         # Only the sidecar aborts: a client must not abort other clients' requests.
         return _refuse(request, 403, "the engine's abort endpoint is not exposed to clients",
                        "forbidden")
