@@ -15,6 +15,7 @@ import asyncio
 import json
 import logging
 from collections.abc import Callable
+from contextlib import suppress
 from pathlib import Path
 from typing import Any
 
@@ -34,6 +35,7 @@ from tests.fake_engine import FakeEngine
 pytestmark = pytest.mark.timeout(60)
 
 WAIT_S = 10.0
+QUIET_S = 0.3  # how long to wait for something that must NOT happen (then a settle request)
 TOKEN = "admin-cancel-sekret-4321"
 CHAT = "/v1/chat/completions"
 CANCELLED_EVENT = (b'data: {"error": {"message": "request cancelled", "type": "cancelled", '
@@ -63,13 +65,17 @@ async def metric_values(admin_port: int) -> dict[tuple[str, frozenset[tuple[str,
             for family in text_string_to_metric_families(text) for sample in family.samples}
 
 
-async def aborted_once(engine: FakeEngine, expected: list[str]) -> None:
+async def aborted_once(engine: FakeEngine, expected: list[str], proxy_port: int) -> None:
     """Exactly one abort call, naming exactly ``expected``; the generation's connection closed.
-    "No second abort" is checked after a full request through the engine's abort route would
-    have had time: the admin answer comes after the handler unwound (the abort task started)."""
+    "No second abort": none arrives within ``QUIET_S``, nor before a full request through the
+    sidecar (the admin answer came after the handler unwound, so any abort had started)."""
     await asyncio.wait_for(engine.record.abort_event.wait(), WAIT_S)
     await asyncio.wait_for(engine.record.closed_event.wait(), WAIT_S)
-    await asyncio.sleep(0.3)  # guard: a duplicate abort would be in flight by now
+    engine.record.abort_event.clear()
+    with suppress(TimeoutError):
+        await asyncio.wait_for(engine.record.abort_event.wait(), QUIET_S)
+    async with aiohttp.ClientSession() as s, s.get(f"http://127.0.0.1:{proxy_port}/health") as r:
+        assert r.status == 200, f"settle request: expected 200 from /health, got {r.status}"
     assert [a.ids for a in engine.record.aborts] == [expected], (
         f"expected one abort call with {expected}, got {[a.ids for a in engine.record.aborts]}")
     closed = [g.closed_at is not None for g in engine.record.generations]
@@ -101,7 +107,7 @@ async def test_cancel_mid_stream_ends_sse_with_an_error_event(
     assert rest.body.endswith(CANCELLED_EVENT), (
         f"expected the error event last, got {rest.body[-200:]!r}")
     assert b"[DONE]" not in rest.body, "a cancelled stream must not claim success with [DONE]"
-    await aborted_once(engine, [f"chatcmpl-{request_id}"])
+    await aborted_once(engine, [f"chatcmpl-{request_id}"], servers.proxy_port)
 
     values = await metric_values(servers.admin_port)
     route_phase = frozenset({("route", "/"), ("phase", "streaming")})
@@ -144,7 +150,7 @@ async def test_openai_sdk_raises_api_error_on_a_cancelled_stream(
     assert caught.value.body == {"message": "request cancelled", "type": "cancelled",
                                  "param": None, "code": None}, caught.value.body
     assert texts, "expected at least one chunk before the cancel"
-    await aborted_once(engine, [f"chatcmpl-{request_id}"])
+    await aborted_once(engine, [f"chatcmpl-{request_id}"], servers.proxy_port)
 
 
 async def test_cancel_while_queued_answers_499_json(
@@ -164,7 +170,7 @@ async def test_cancel_while_queued_answers_499_json(
     assert response.status == 499, f"expected 499, got {response.status}: {body}"
     assert response.headers.get("X-Request-Id") == request_id, response.headers
     assert body["error"]["type"] == "cancelled", body
-    await aborted_once(engine, [f"chatcmpl-{request_id}"])
+    await aborted_once(engine, [f"chatcmpl-{request_id}"], servers.proxy_port)
 
 
 async def test_cancel_non_streaming_openai_sdk_gets_499_without_retrying(
@@ -185,7 +191,7 @@ async def test_cancel_non_streaming_openai_sdk_gets_499_without_retrying(
     assert (status, answer) == (200, {"id": request_id, "cancelled": True,
                                       "phase": "awaiting_response"}), (status, answer)
     assert caught.value.status_code == 499, f"got {caught.value!r}"
-    await aborted_once(engine, [f"chatcmpl-{request_id}"])
+    await aborted_once(engine, [f"chatcmpl-{request_id}"], servers.proxy_port)
     assert len(engine.record.generations) == 1, "expected no retry of a cancelled request"
 
 
@@ -206,7 +212,7 @@ async def test_unknown_and_second_cancel_are_404(
         (await client).release()
     assert first[0] == 200, first
     assert second[0] == 404 and second[1]["error"]["type"] == "not_found", second
-    await aborted_once(engine, [f"chatcmpl-{request_id}"])
+    await aborted_once(engine, [f"chatcmpl-{request_id}"], servers.proxy_port)
 
 
 async def test_cancel_token_is_required_when_configured(
