@@ -257,3 +257,35 @@ def test_cancel_api_example_loads_and_masks_the_token() -> None:
             "CANCEL_SIDECAR_CANCEL_TOKEN": TOKEN + "\x01"})
     assert "admin.cancel_token" in str(caught.value), str(caught.value)
     assert TOKEN not in str(caught.value), f"the token leaked: {caught.value}"
+
+
+async def test_cancel_while_the_client_sends_its_body_answers_499_without_abort(
+        engine: FakeEngine, start_sidecar: Callable[..., Any]) -> None:
+    servers: Servers = await start_sidecar(sidecar_settings(engine.url))
+    body = chat_body(stream=True)
+    half = len(body) // 2
+    async with asyncio.timeout(WAIT_S), rawhttp.connect(servers.proxy_port) as (reader, writer):
+        writer.write(rawhttp.request_bytes(
+            "POST", CHAT, [("Content-Type", "application/json"),
+                           ("Content-Length", str(len(body)))], body[:half]))
+        await writer.drain()
+        assert await engine.watch.until(lambda: bool(engine.watch.on(CHAT)), WAIT_S), (
+            "expected the engine to see the request start while its body streams")
+        request_id = engine.watch.on(CHAT)[0].request_id
+        assert request_id is not None
+        status, answer = await cancel(servers.admin_port, request_id)
+        head = await rawhttp.read_head(reader)
+        response = await rawhttp.read_body(reader, head, "POST")
+        rest = await reader.read()  # the sidecar closes the connection: the body is never read
+    assert (status, answer) == (200, {"id": request_id, "cancelled": True,
+                                      "phase": "request_body"}), (status, answer)
+    assert head.status == 499, f"expected 499, got {head.status} {response.body!r}"
+    assert json.loads(response.body)["error"]["type"] == "cancelled", response.body
+    assert rest == b"", f"expected the connection closed after the 499, got {rest!r}"
+    assert await engine.watch.until(lambda: engine.watch.on(CHAT)[0].failed_at is not None,
+                                    WAIT_S), "expected the engine's half-sent request closed"
+    async with aiohttp.ClientSession() as s, s.get(
+            f"http://127.0.0.1:{servers.proxy_port}/health") as r:
+        assert r.status == 200
+    assert engine.record.aborts == [], (
+        f"the engine never had the whole request: no abort expected, got {engine.record.aborts}")
