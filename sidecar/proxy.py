@@ -14,6 +14,12 @@ A client that reads slowly is not gone: each write waits while more than
 ``downstream.write_buffer_bytes`` are unsent, and the relay reads the engine only after its write,
 so the engine's own writes wait too. A request body that breaks a ``downstream`` limit (size,
 silence) gets 413/408 and the connection closed; the engine never had all of it: no abort.
+
+The cancel API (:mod:`sidecar.cancel`) finds an exchange by its sidecar id (``keys.EXCHANGES``)
+and cancels its handler with :data:`CANCEL_REASON`; :func:`handle` consumes only that
+cancellation (``Task.uncancel() == 0``: nothing else, e.g. a disconnect, asked too, as
+``asyncio.timeout`` does) and :meth:`Exchange.end_cancelled` aborts the engine and ends the
+client's response with an error it can parse.
 """
 
 from __future__ import annotations
