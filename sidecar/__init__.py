@@ -14,5 +14,6 @@ Data flow for one request (modules named after the nouns)::
 generation (adapters, router, sessions; SIGHUP swaps it) and counts requests in flight;
 ``app.py`` builds the proxy and admin applications with their state under typed keys;
 ``server.py`` runs them as production does and drains them on SIGTERM; ``workers.py``
-supervises ``--workers N`` processes on one port; ``cli.py`` is the ``cancel-sidecar`` command.
+supervises ``--workers N`` processes on one port; ``cli.py`` is the ``cancel-sidecar`` command;
+``cancel.py`` is the admin listener's cancel API (the same abort path, asked by an operator).
 """

@@ -21,10 +21,11 @@ from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_l
 
 from engine import EngineAdapter
 from sidecar.abort import ABORT_STATUS_HINTS, MAX_CONCURRENT_CALLS, Aborter
+from sidecar.cancel import add_cancel_route
 from sidecar.config import Settings
-from sidecar.keys import ABORTER, METRICS, REGISTRY, RUNTIME, SETTINGS, TASKS
+from sidecar.keys import ABORTER, EXCHANGES, METRICS, REGISTRY, RUNTIME, SETTINGS, TASKS
 from sidecar.metrics import Metrics
-from sidecar.proxy import error_response, handle
+from sidecar.proxy import Exchange, error_response, handle
 from sidecar.runtime import Runtime, Runtimes, describe_changes
 from sidecar.tasks import TaskSet
 from sidecar.upstream import MAX_HEADER_BYTES
@@ -104,6 +105,7 @@ def make_app(settings: Settings, registry: CollectorRegistry) -> web.Application
     app[SETTINGS] = settings
     app[REGISTRY] = registry
     app[METRICS] = Metrics(registry)
+    app[EXCHANGES] = {}
     app.cleanup_ctx.append(_engines_ctx)
     app.router.add_route("*", "/{path:.*}", _proxy, expect_handler=_expect)
     return app
@@ -185,12 +187,18 @@ async def _metrics(request: web.Request) -> web.Response:
     return web.Response(body=body, headers={"Content-Type": CONTENT_TYPE_LATEST})
 
 
-def make_admin_app(runtimes: Runtimes, registry: CollectorRegistry) -> web.Application:
+def make_admin_app(runtimes: Runtimes, registry: CollectorRegistry,
+                   exchanges: dict[str, Exchange] | None = None) -> web.Application:
     """The admin application: ``/healthz``, ``/readyz`` (the engines of ``runtimes.current``),
-    ``/metrics`` (Prometheus text of ``registry``)."""
+    ``/metrics`` (Prometheus text of ``registry``), and the cancel API (:mod:`sidecar.cancel`)
+    for the proxy's ``exchanges`` (``None``: the requests are in other processes, 501)."""
     app = web.Application()
     app[RUNTIME] = runtimes
     app[REGISTRY] = registry
+    if exchanges is not None:
+        app[EXCHANGES] = exchanges
+    admin = runtimes.current.settings.admin
+    add_cancel_route(app, admin.cancel_token if admin is not None else None)
     app.router.add_get("/healthz", _healthz)
     app.router.add_get("/readyz", _readyz)
     app.router.add_get("/metrics", _metrics)

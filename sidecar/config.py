@@ -8,7 +8,7 @@ default. Secrets (``api_key``) are ``SecretStr``: never printed, not even in err
 Shape (see ``config/sidecar.yaml`` for the commented reference)::
 
     listen:   {host, port}                       client-facing proxy listener
-    admin:    {host, port}                       /healthz, /readyz, /metrics
+    admin:    {host, port, cancel_token}         /healthz, /readyz, /metrics, cancel API
     downstream: {idle_timeout_s, body_timeout_s, max_body_bytes, write_buffer_bytes}
     upstream: {connect_timeout_s, first_byte_timeout_s, read_timeout_s, keepalive_timeout_s, ...}
     engines:  {NAME: {kind, url, abort: {path, api_key, timeout_s, retries}}}
@@ -121,6 +121,17 @@ class Listener(_Model):
 
     host: str = "127.0.0.1"
     port: Port
+
+
+class AdminSettings(Listener):
+    """The admin listener (``/healthz``, ``/readyz``, ``/metrics``, the cancel API).
+
+    ``cancel_token``: when set, ``POST /v1/requests/{id}/cancel`` needs ``Authorization: Bearer
+    <token>`` (else 401); when null, the cancel API is open to whoever reaches the admin
+    listener, which is loopback-only by default. ``${VAR}`` supported; never printed or logged.
+    """
+
+    cancel_token: Annotated[SecretStr | None, AfterValidator(_api_key)] = None
 
 
 class AbortSettings(_Model):
@@ -242,7 +253,7 @@ class Settings(_Model):
     """The whole validated config file, before cross-references are checked."""
 
     listen: Listener = Listener(port=8080)
-    admin: Listener | None = Listener(port=9090)
+    admin: AdminSettings | None = AdminSettings(port=9090)
     downstream: DownstreamSettings = DownstreamSettings()
     upstream: UpstreamSettings = UpstreamSettings()
     engines: Annotated[dict[str, EngineSettings], Field(min_length=1)]
@@ -253,7 +264,7 @@ class Settings(_Model):
 
 
 _VAR = re.compile(r"\$\{([A-Za-z_][A-Za-z0-9_]*)(?::-([^}]*))?\}")
-_SECRET_KEYS = frozenset({"api_key"})
+_SECRET_KEYS = frozenset({"api_key", "cancel_token"})
 
 
 def _expand(node: Any, env: Mapping[str, str], loc: str, problems: list[ConfigProblem]) -> Any:

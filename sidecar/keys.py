@@ -13,6 +13,7 @@ from sidecar.metrics import Metrics
 from sidecar.tasks import TaskSet
 
 if TYPE_CHECKING:
+    from sidecar.proxy import Exchange
     from sidecar.runtime import Runtimes
 
 # The settings the proxy app was built with; reloads replace RUNTIME's generation, not this.
@@ -24,3 +25,7 @@ ABORTER = web.AppKey("aborter", Aborter)
 # The current config generation (settings, adapters, router, upstream sessions) and the
 # in-flight count: sidecar.runtime. Each request reads it once, in app._proxy.
 RUNTIME: web.AppKey[Runtimes] = web.AppKey("runtime")
+# Requests in flight by sidecar request id (the X-Request-Id returned to the client), for the
+# cancel API (sidecar.cancel): added when proxy.handle creates the Exchange, removed as it ends.
+# On the proxy app, and on the admin app of the same process (absent under --workers N).
+EXCHANGES: web.AppKey[dict[str, Exchange]] = web.AppKey("exchanges")

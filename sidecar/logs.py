@@ -21,6 +21,8 @@ requests, run in their own tasks and outlive the handler). JSON fields, in order
     client_disconnected  true if the client left before its response was complete
     phase                where the sidecar stopped the exchange (request_body,
                          before_first_byte, awaiting_response, streaming), or null
+    cancel_reason        null, or why the sidecar itself ended the request
+                         ("cancelled via API": POST /v1/requests/{id}/cancel)
     abort                null, or the final outcome (after retries) of the call(s) that
                          carried the request's ids: ok, http_<status>, timeout, error
                          (cancelled: the sidecar shut down before the call ended;
@@ -116,7 +118,8 @@ class RequestLog:
     attributes, no per-chunk work; nothing is formatted unless INFO is enabled.
     """
 
-    __slots__ = ("_abort", "_abort_latency", "_fields", "_pending", "_started")
+    __slots__ = ("_abort", "_abort_latency", "_cancel_reason", "_fields", "_pending",
+                 "_started")
 
     def __init__(self, request_id: str, method: str, path: str, route: str | None,
                  engine: str | None, client_request_id: str | None) -> None:
@@ -128,6 +131,7 @@ class RequestLog:
             "request_id": request_id, "client_request_id": client_request_id,
             "route": route, "engine": engine, "method": method, "path": path,
         }
+        self._cancel_reason: str | None = None
 
     def abort_started(self) -> None:
         """An abort call for this request started; the line waits for its outcome."""
@@ -142,12 +146,16 @@ class RequestLog:
         self._abort_latency = max(latency_s, self._abort_latency or 0.0)
         self._release()
 
+    def cancelled(self, reason: str) -> None:
+        """The sidecar ended the request itself, for ``reason`` (e.g. the cancel API)."""
+        self._cancel_reason = reason
+
     def handler_done(self, status: int | None, bytes_sent: int, client_disconnected: bool,
                      phase: str | None) -> None:
         """The handler ended: ``status`` sent (``None``: none was), ``bytes_sent`` body bytes."""
         self._fields.update(status=status, duration_s=round(time.monotonic() - self._started, 6),
                             bytes_sent=bytes_sent, client_disconnected=client_disconnected,
-                            phase=phase)
+                            phase=phase, cancel_reason=self._cancel_reason)
         self._release()
 
     def _release(self) -> None:

@@ -21,7 +21,8 @@ class Metrics:
         self.requests = Counter(
             "cancel_sidecar_requests_total",
             "Downstream requests finished, by route prefix and status class (2xx..5xx, or "
-            "'disconnected' when the client left first).",
+            "'disconnected' when the client left first, 'cancelled' when the sidecar ended it: "
+            "the cancel API, or a stop after the grace period).",
             ["route", "status_class"], registry=registry)
         self.in_flight = Gauge(
             "cancel_sidecar_in_flight_requests", "Downstream requests being proxied now.",
@@ -32,6 +33,11 @@ class Metrics:
             "cancel_sidecar_client_disconnects_total",
             "Clients that disconnected before their response was complete, by phase "
             "(request_body, before_first_byte, awaiting_response, streaming).",
+            ["route", "phase"], registry=registry)
+        self.cancelled = Counter(
+            "cancel_sidecar_cancelled_requests_total",
+            "Requests ended through the cancel API (POST /v1/requests/{id}/cancel on the admin "
+            "listener), by route prefix and phase (as for client_disconnects_total).",
             ["route", "phase"], registry=registry)
         self.abort_calls = Counter(
             "cancel_sidecar_abort_calls_total",

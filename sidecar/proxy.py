@@ -14,6 +14,12 @@ A client that reads slowly is not gone: each write waits while more than
 ``downstream.write_buffer_bytes`` are unsent, and the relay reads the engine only after its write,
 so the engine's own writes wait too. A request body that breaks a ``downstream`` limit (size,
 silence) gets 413/408 and the connection closed; the engine never had all of it: no abort.
+
+The cancel API (:mod:`sidecar.cancel`) finds an exchange by its sidecar id (``keys.EXCHANGES``)
+and cancels its handler with :data:`CANCEL_REASON`; :func:`handle` consumes only that
+cancellation (``Task.uncancel() == 0``: nothing else, e.g. a disconnect, asked too, as
+``asyncio.timeout`` does) and :meth:`Exchange.end_cancelled` aborts the engine and ends the
+client's response with an error it can parse.
 """
 
 from __future__ import annotations
@@ -44,7 +50,7 @@ from sidecar.headers import (
     unsupported_transfer_coding,
     upstream_request_headers,
 )
-from sidecar.keys import ABORTER, METRICS
+from sidecar.keys import ABORTER, EXCHANGES, METRICS
 from sidecar.logs import RequestLog
 from sidecar.metrics import Metrics
 from sidecar.route import RouteTarget
@@ -63,6 +69,13 @@ log = logging.getLogger(__name__)
 REQUEST_ID = "X-Request-Id"
 CLIENT_REQUEST_ID = "X-Client-Request-Id"
 SSE_DONE = b"data: [DONE]\n\n"
+# The cancel API (sidecar.cancel) ends a cancelled stream with this event: the openai SDK raises
+# APIError on a data event whose JSON has "error" (openai/_streaming.py, Stream.__stream__).
+CANCELLED_EVENT = (b'data: {"error": {"message": "request cancelled", "type": "cancelled", '
+                   b'"param": null, "code": null}}\n\n')
+CANCELLED_STATUS = 499  # before the response head; 4xx: no SDK retries it (openai: 408/409/429/5xx)
+CANCEL_REASON = "cancelled via API"
+CANCEL_WRITE_S = 5.0  # how long ending a cancelled response may wait for a slow client
 _LINGER_RESET = struct.pack("ii", 1, 0)  # SO_LINGER on, 0 s: close() sends RST
 
 
@@ -96,6 +109,10 @@ class Exchange:
         self.status_sent: int | None = None
         self.bytes_sent = 0
         self.phase: str | None = None
+        self.response: web.StreamResponse | None = None  # once the relayed head is built
+        self.tail = b""  # the last chunk relayed: does the stream end between SSE events?
+        self.task = asyncio.current_task()  # the handler's, cancelled by the cancel API
+        self.cancel_requested = False
         self.access = RequestLog(self.id, request.method, request.path, target.prefix,
                                  target.engine.name, request.headers.get(REQUEST_ID))
 
@@ -129,8 +146,9 @@ class Exchange:
         if has_forbidden_characters(upstream.headers):
             return self._fail(UpstreamProtocolError(
                 f"{engine.base_url} sent a response header with a control character"))
-        response = web.StreamResponse(status=upstream.status, reason=upstream.reason,
-                                      headers=downstream_response_headers(upstream.headers))
+        response = self.response = web.StreamResponse(
+            status=upstream.status, reason=upstream.reason,
+            headers=downstream_response_headers(upstream.headers))
         response.headers[REQUEST_ID] = self.id
         if client_id:
             response.headers[CLIENT_REQUEST_ID] = client_id[0]
@@ -156,7 +174,7 @@ class Exchange:
                 # on reading it (before the upstream's final chunk) is not a disconnect.
                 self.saw_done_event = (chunk if len(chunk) >= len(SSE_DONE)
                                        else previous + chunk).endswith(SSE_DONE)
-                previous = chunk
+                previous = self.tail = chunk
                 await response.write(chunk)
                 self.bytes_sent += len(chunk)
         finally:
@@ -313,6 +331,11 @@ class Exchange:
         self.upstream_finished = True
         assert self.upstream is not None
         self.upstream.close()
+        self._cut(response)
+        return response
+
+    def _cut(self, response: web.StreamResponse) -> None:
+        """End a response that has begun so the client sees it incomplete."""
         transport = self.request.transport
         if transport is not None:
             delimited = (response.headers.get("Transfer-Encoding") == "chunked"
@@ -325,6 +348,58 @@ class Exchange:
                 if sock is not None:
                     sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, _LINGER_RESET)
                 transport.abort()
+
+    def request_cancel(self) -> bool:
+        """The cancel API: cancel the handler with :data:`CANCEL_REASON`; :func:`handle` then
+        calls :meth:`end_cancelled`. ``False`` if already requested (or no handler task)."""
+        if self.cancel_requested or self.task is None or self.task.done():
+            return False
+        self.cancel_requested = True
+        self.task.cancel(CANCEL_REASON)
+        return True
+
+    async def end_cancelled(self) -> web.StreamResponse:
+        """After :meth:`request_cancel`: close upstream and abort the engine (as after a
+        disconnect, not counted as one), then end the client's response: a JSON 499 error before
+        the head; the :data:`CANCELLED_EVENT` and the end of the stream mid-SSE (at an event
+        boundary); else (a JSON body begun, or mid-event) the response cut short."""
+        self.cancel(CANCEL_REASON, disconnect=False)
+        self.close()
+        if self.phase is None:  # the engine had already finished
+            self.phase = self._phase(None)
+        self.metrics.cancelled.labels(self.target.prefix, self.phase).inc()
+        self.access.cancelled(CANCEL_REASON)
+        response = self.response
+        if response is None or not response.prepared:
+            return await self._cancelled_before_head()
+        try:
+            async with asyncio.timeout(CANCEL_WRITE_S):
+                sse = response.content_type == "text/event-stream"
+                if sse and (not self.tail or self.tail.endswith((b"\n\n", b"\r\n\r\n"))):
+                    await response.write(CANCELLED_EVENT)
+                    self.bytes_sent += len(CANCELLED_EVENT)
+                    await response.write_eof()
+                    return response
+        except (TimeoutError, ConnectionResetError):
+            pass  # a client that does not read (or is gone): cut below
+        self._cut(response)
+        return response
+
+    async def _cancelled_before_head(self) -> web.StreamResponse:
+        response = error_response(CANCELLED_STATUS, "request cancelled", "cancelled", self.id)
+        response.set_status(CANCELLED_STATUS, "Request Cancelled")
+        if self.phase == "request_body":
+            response.force_close()  # the rest of the body is never read
+        try:
+            async with asyncio.timeout(CANCEL_WRITE_S):
+                await response.prepare(self.request)
+                await response.write_eof()
+        except (TimeoutError, ConnectionResetError):
+            self._cut(response)
+            return response
+        self.status_sent, self.bytes_sent = response.status, response.body_length
+        if self.phase == "request_body" and self.request.transport is not None:
+            self.request.transport.close()  # else aiohttp reads what is left: see _refuse_body
         return response
 
 
@@ -357,6 +432,8 @@ async def handle(request: web.Request, runtime: Runtime) -> web.StreamResponse:
         return refusal
     metrics = request.app[METRICS]
     exchange = Exchange(request, runtime, target, request.app[ABORTER], metrics, target_path)
+    exchanges = request.app[EXCHANGES]
+    exchanges[exchange.id] = exchange
     in_flight = metrics.in_flight.labels(target.prefix)
     in_flight.inc()
     status_class = "disconnected"  # or "cancelled": the sidecar stopped it (shutdown)
@@ -369,6 +446,9 @@ async def handle(request: web.Request, runtime: Runtime) -> web.StreamResponse:
             exchange.bytes_sent = response.content_length or 0
         return response
     except asyncio.CancelledError:
+        if exchange.cancel_requested and exchange.task and exchange.task.uncancel() == 0:
+            status_class = "cancelled"  # our own cancellation, consumed: nothing else asked
+            return await exchange.end_cancelled()
         gone = request.transport is None or request.transport.is_closing()
         if not gone:
             status_class = "cancelled"
@@ -380,6 +460,7 @@ async def handle(request: web.Request, runtime: Runtime) -> web.StreamResponse:
         exchange.cancel("client disconnected")
         return web.Response(status=499)
     finally:
+        del exchanges[exchange.id]
         exchange.close()
         in_flight.dec()
         metrics.requests.labels(target.prefix, status_class).inc()

@@ -44,7 +44,7 @@ from prometheus_client import CollectorRegistry
 from sidecar.app import make_admin_app, make_app
 from sidecar.config import Settings
 from sidecar.downstream import DownstreamRunner
-from sidecar.keys import RUNTIME
+from sidecar.keys import EXCHANGES, RUNTIME
 
 log = logging.getLogger(__name__)
 
@@ -131,7 +131,7 @@ async def start(settings: Settings, registry: CollectorRegistry | None = None, *
     admin_runner = None
     admin_port = None
     if admin and settings.admin is not None:
-        admin_runner = DownstreamRunner(make_admin_app(app[RUNTIME], registry),
+        admin_runner = DownstreamRunner(make_admin_app(app[RUNTIME], registry, app[EXCHANGES]),
                                         access_log=None, shutdown_timeout=1.0,
                                         keepalive_timeout=idle_s)
         await admin_runner.setup()

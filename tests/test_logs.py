@@ -44,7 +44,8 @@ QUERY_SECRET = "query-sekret-3456"
 SECRETS = (ABORT_KEY, CLIENT_AUTH, "client-sekret-token", QUERY_SECRET, "Bearer")
 ACCESS_FIELDS = {"ts", "level", "logger", "msg", "request_id", "client_request_id", "route",
                  "engine", "method", "path", "status", "duration_s", "bytes_sent",
-                 "client_disconnected", "phase", "abort", "abort_latency_s"}
+                 "client_disconnected", "phase", "cancel_reason", "abort",
+                 "abort_latency_s"}
 CHAT = "/v1/chat/completions"
 COMPLETIONS = "/v1/completions"
 
