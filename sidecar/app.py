@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import uuid
 from collections.abc import AsyncIterator
 
 import aiohttp
@@ -19,13 +18,13 @@ from aiohttp import web
 from aiohttp.typedefs import Handler
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
 
-from engine import EngineAdapter
-from sidecar.abort import ABORT_STATUS_HINTS, MAX_CONCURRENT_CALLS, Aborter
+from sidecar.abort import MAX_CONCURRENT_CALLS, Aborter
 from sidecar.cancel import add_cancel_route
 from sidecar.config import Settings
-from sidecar.keys import ABORTER, EXCHANGES, METRICS, REGISTRY, RUNTIME, SETTINGS, TASKS
+from sidecar.keys import ABORTER, EXCHANGES, METRICS, READINESS, REGISTRY, RUNTIME, SETTINGS, TASKS
 from sidecar.metrics import Metrics
 from sidecar.proxy import Exchange, error_response, handle
+from sidecar.readiness import OK, Readiness
 from sidecar.runtime import Runtime, Runtimes, describe_changes
 from sidecar.tasks import TaskSet
 from sidecar.upstream import MAX_HEADER_BYTES
@@ -138,47 +137,12 @@ async def _healthz(request: web.Request) -> web.Response:
     return web.json_response({"status": "ok"})
 
 
-READY_TIMEOUT_S = 2.0
-
-
-async def _engine_ready(session: aiohttp.ClientSession, adapter: EngineAdapter) -> str:
-    """``ok``, or what is wrong: the engine's ``GET <health path>`` (vllm, sglang: ``/health``)
-    must answer 2xx, and, for a kind that aborts, its abort endpoint must accept a call naming one
-    id that no request can have (a real call: unknown ids are ignored by vLLM and SGLang, so it
-    proves the route and key only; never an empty list). A kind without an abort endpoint
-    (``openai``) gets no abort probe."""
-    probe = (f"cancel-sidecar-readiness-probe-{uuid.uuid4().hex}",)
-    try:
-        async with asyncio.timeout(READY_TIMEOUT_S):
-            async with session.get(adapter.base_url + adapter.health_path) as resp:
-                await resp.read()
-                if resp.status >= 300:
-                    return f"health {adapter.health_path}: HTTP {resp.status}"
-            for call in adapter.abort_calls(probe) if adapter.aborts else ():
-                async with session.post(adapter.base_url + call.path, json=call.json,
-                                        headers=adapter.abort_headers()) as resp:
-                    await resp.read()
-                    if resp.status >= 300:
-                        hint = ABORT_STATUS_HINTS.get(resp.status, "")
-                        return f"abort endpoint {call.path}: HTTP {resp.status}" + (
-                            f" ({hint})" if hint else "")
-    except (TimeoutError, aiohttp.ClientError) as exc:
-        return f"unreachable: {type(exc).__name__}"
-    return "ok"
-
-
 async def _readyz(request: web.Request) -> web.Response:
     """Ready (200) when every engine is healthy and its abort endpoint (if any) usable, checked
-    concurrently within ``READY_TIMEOUT_S`` each; else 503 with what is wrong per engine."""
-    runtime = request.app[RUNTIME].current
-    session = runtime.sessions[0]
-    names = list(runtime.adapters)
-    verdicts = await asyncio.gather(*(_engine_ready(session, runtime.adapters[n]) for n in names))
-    results = dict(zip(names, verdicts, strict=True))
-    ready = all(v == "ok" for v in results.values())
-    if not ready:
-        log.warning("not ready: %s", "; ".join(f"engine {n}: {v}" for n, v in results.items()
-                                                 if v != "ok"))
+    concurrently within ``readiness.READY_TIMEOUT_S`` each; else 503 with what to fix per engine
+    (:mod:`sidecar.readiness`, the same check and hints as the startup check)."""
+    results = await request.app[READINESS].check()
+    ready = all(v == OK for v in results.values())
     return web.json_response({"ready": ready, "engines": results}, status=200 if ready else 503)
 
 
@@ -189,11 +153,13 @@ async def _metrics(request: web.Request) -> web.Response:
 
 def make_admin_app(runtimes: Runtimes, registry: CollectorRegistry,
                    exchanges: dict[str, Exchange] | None = None) -> web.Application:
-    """The admin application: ``/healthz``, ``/readyz`` (the engines of ``runtimes.current``),
+    """The admin application: ``/healthz``, ``/readyz`` (the engines of ``runtimes.current``;
+    its :class:`~sidecar.readiness.Readiness` under ``keys.READINESS``, for the startup check),
     ``/metrics`` (Prometheus text of ``registry``), and the cancel API (:mod:`sidecar.cancel`)
     for the proxy's ``exchanges`` (``None``: the requests are in other processes, 501)."""
     app = web.Application()
     app[RUNTIME] = runtimes
+    app[READINESS] = Readiness(runtimes)
     app[REGISTRY] = registry
     if exchanges is not None:
         app[EXCHANGES] = exchanges

@@ -6,6 +6,11 @@ re-reads ``--config`` and applies it to new requests, or keeps the running confi
 problem. ``--workers N`` (N > 1) runs N proxy processes on one port under a supervisor
 (:mod:`sidecar.workers`).
 
+Startup check: once the listeners are up, every engine is checked in the background as
+``/readyz`` checks it, and re-checked until all are ready, logging what to fix
+(:mod:`sidecar.readiness`); once per sidecar (the supervisor under ``--workers``, not each
+worker). It never delays or fails the start.
+
 Exit status: 0 after a clean stop (SIGTERM/SIGINT) or a valid ``--check-config``; 1 for a bad
 config (every problem printed to stderr with its location) or a worker that died; 2 for bad
 command-line usage.
@@ -27,7 +32,9 @@ import uvloop
 from sidecar import app, server, workers
 from sidecar.config import Settings, load_config
 from sidecar.errors import ConfigError, ListenError
+from sidecar.keys import RUNTIME, TASKS
 from sidecar.logs import configure_logging
+from sidecar.readiness import startup_check
 
 log = logging.getLogger("sidecar")
 
@@ -100,6 +107,8 @@ async def _serve(settings: Settings, config: Path, worker_port: int | None = Non
         loop.add_signal_handler(sig, stop.set)
     loop.add_signal_handler(signal.SIGHUP, _reload, config,
                             lambda new: app.reload(servers.app, new))
+    check = None if worker else servers.app[TASKS].spawn(
+        startup_check(servers.admin, servers.app[RUNTIME]), name="engine startup check")
     if worker:
         print(f"cancel-sidecar worker: proxy on {settings.listen.host}:{servers.proxy_port}",
               flush=True)
@@ -108,6 +117,9 @@ async def _serve(settings: Settings, config: Path, worker_port: int | None = Non
               + (f", admin on {settings.admin.host}:{servers.admin_port}"
                  if settings.admin else ""), flush=True)
     await stop.wait()
+    if check is not None:
+        check.cancel("sidecar stopping")
+        await asyncio.wait({check})
     await servers.stop()
 
 

@@ -14,6 +14,7 @@ from sidecar.tasks import TaskSet
 
 if TYPE_CHECKING:
     from sidecar.proxy import Exchange
+    from sidecar.readiness import Readiness
     from sidecar.runtime import Runtimes
 
 # The settings the proxy app was built with; reloads replace RUNTIME's generation, not this.
@@ -29,3 +30,6 @@ RUNTIME: web.AppKey[Runtimes] = web.AppKey("runtime")
 # cancel API (sidecar.cancel): added when proxy.handle creates the Exchange, removed as it ends.
 # On the proxy app, and on the admin app of the same process (absent under --workers N).
 EXCHANGES: web.AppKey[dict[str, Exchange]] = web.AppKey("exchanges")
+# Engine readiness with the last verdict per engine (sidecar.readiness), on the admin app:
+# /readyz and the startup check share it, so their verdicts and log lines agree.
+READINESS: web.AppKey[Readiness] = web.AppKey("readiness")

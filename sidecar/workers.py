@@ -13,7 +13,8 @@ listens; the kernel then spreads new connections across the workers. Each worker
 prints the same ready line as a single process.
 
 Signals: SIGTERM/SIGINT and SIGHUP are forwarded to every worker (each drains, or reloads the
-file, on its own); SIGHUP also reloads the supervisor's engines for ``/readyz``. Exit status: 0
+file, on its own); SIGHUP also reloads the supervisor's engines for ``/readyz``. The startup check
+(:mod:`sidecar.readiness`) runs here, once, not in the workers. Exit status: 0
 when every worker exited 0 after a stop; 1 if a worker died unexpectedly (the others are then
 stopped) or failed to start.
 
@@ -43,6 +44,7 @@ from prometheus_client import CollectorRegistry, multiprocess
 from sidecar.app import make_admin_app
 from sidecar.config import Settings
 from sidecar.downstream import DownstreamRunner
+from sidecar.readiness import startup_check
 from sidecar.runtime import Runtime, Runtimes, describe_changes
 from sidecar.tasks import TaskSet
 
@@ -105,6 +107,7 @@ class Supervisor:
                 return 1
         runtimes = Runtimes(Runtime.open(self.settings), self.tasks)
         admin, admin_port = await self._start_admin(runtimes)
+        check = self.tasks.spawn(startup_check(admin, runtimes), name="engine startup check")
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGTERM, signal.SIGINT):
             loop.add_signal_handler(sig, self._stop)
@@ -119,6 +122,8 @@ class Supervisor:
         finally:
             for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
                 loop.remove_signal_handler(sig)
+            check.cancel("sidecar stopping")
+            await asyncio.wait({check})
             if admin is not None:
                 await admin.cleanup()
             await self.tasks.drain(1.0)

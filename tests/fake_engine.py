@@ -37,6 +37,8 @@ from typing import Any
 from aiohttp import web
 from multidict import CIMultiDict, CIMultiDictProxy
 
+from sidecar.readiness import PROBE_PREFIX
+
 ABORT_PATH = "/inference/v1/abort_requests"
 ABORT_RESET = 0  # in EngineRecord.abort_script: reset the abort call's connection, no answer
 
@@ -69,6 +71,10 @@ class EngineRecord:
     requests: list[dict[str, Any]] = field(default_factory=list)
     generations: list[Generation] = field(default_factory=list)
     aborts: list[AbortRecord] = field(default_factory=list)
+    # Readiness probes (/readyz, the CLI's startup check: one id named
+    # cancel-sidecar-readiness-probe-*), kept apart from the aborts above; they get
+    # abort_key's 401 and abort_status only, never abort_script, abort_gate or abort_delay.
+    probes: list[AbortRecord] = field(default_factory=list)
     abort_status: int = 200
     abort_delay: float = 0.0  # seconds before answering an abort call
     # Abort-fault knobs (tests/faults): statuses for the next abort calls in arrival order, then
@@ -118,10 +124,12 @@ class FakeEngine:
         self.runner: web.AppRunner | None = None
         self.port = 0
 
-    async def start(self) -> None:
+    async def start(self, port: int = 0) -> None:
+        """Listen on 127.0.0.1:``port`` (0: a free port), e.g. a port a sidecar already
+        points at, for an engine that comes up after the sidecar."""
         self.runner = web.AppRunner(self.app, handler_cancellation=True, access_log=None)
         await self.runner.setup()
-        await web.TCPSite(self.runner, "127.0.0.1", 0).start()
+        await web.TCPSite(self.runner, "127.0.0.1", port).start()
         self.port = self.runner.addresses[0][1]
 
     async def stop(self) -> None:
@@ -158,13 +166,19 @@ class FakeEngine:
     async def abort(self, request: web.Request) -> web.Response:
         raw = await request.read()
         ids = json.loads(raw).get("request_ids", [])
-        self.record.aborts.append(AbortRecord(time.monotonic(), ids,
-                                              request.headers.get("Authorization"), raw))
-        self.record.abort_event.set()
+        seen = AbortRecord(time.monotonic(), ids, request.headers.get("Authorization"), raw)
         record = self.record
+        probe = len(ids) == 1 and str(ids[0]).startswith(PROBE_PREFIX)
+        if probe:
+            record.probes.append(seen)
+        else:
+            record.aborts.append(seen)
+            record.abort_event.set()
         if record.abort_key is not None and (
                 request.headers.get("Authorization") != f"Bearer {record.abort_key}"):
             return web.Response(status=401)
+        if probe:
+            return web.Response(status=record.abort_status)
         status = record.abort_script.pop(0) if record.abort_script else record.abort_status
         if record.abort_gate is not None:
             await record.abort_gate.wait()

@@ -24,11 +24,12 @@ async def test_ready_when_engine_healthy_and_abort_usable(engine: FakeEngine,
     assert await _get(sidecar.admin_port, "/healthz") == (200, {"status": "ok"})
     status, body = await _get(sidecar.admin_port, "/readyz")
     assert (status, body) == (200, {"ready": True, "engines": {"local": "ok"}}), (status, body)
-    probes = engine.record.aborts
+    probes = engine.record.probes
     assert len(probes) == 1 and len(probes[0].ids) == 1, (
         f"expected one abort call naming exactly one probe id, got {probes}")
     assert probes[0].ids[0].startswith("cancel-sidecar-readiness-probe-"), probes[0].ids
     assert probes[0].authorization == "Bearer sekret-key", probes[0].authorization
+    assert engine.record.aborts == [], "a readiness probe is no abort"
 
 
 async def test_not_ready_when_abort_endpoint_is_disabled(engine: FakeEngine,
@@ -43,5 +44,6 @@ async def test_not_ready_when_engine_unreachable(start_sidecar: Any) -> None:
     servers: Servers = await start_sidecar(
         sidecar_settings(f"http://127.0.0.1:{refused_port()}"))
     status, body = await _get(servers.admin_port, "/readyz")
-    assert status == 503 and body["engines"]["local"].startswith("unreachable"), (status, body)
+    assert status == 503 and body["engines"]["local"].startswith("nothing listens at"), (
+        status, body)
     assert await _get(servers.admin_port, "/healthz") == (200, {"status": "ok"})

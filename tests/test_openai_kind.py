@@ -195,7 +195,7 @@ async def test_not_ready_when_the_health_path_fails(
         engine: FakeEngine, start_sidecar: Callable[..., Any]) -> None:
     servers = await start(start_sidecar, engine, health_path="/status/503")
     status, body = await _readyz(servers)
-    assert status == 503 and body["engines"]["local"] == "health /status/503: HTTP 503", (
+    assert status == 503 and body["engines"]["local"] == f"{engine.url}/status/503 answered 503", (
         status, body)
     seen = [(s.method, s.path) for s in engine.watch.seen]
     assert seen == [("GET", "/status/503")], f"expected only the health GET, got {seen}"
@@ -206,7 +206,8 @@ async def test_not_ready_when_the_server_is_unreachable(
     servers: Servers = await start_sidecar(
         openai_settings(f"http://127.0.0.1:{refused_port()}"))
     status, body = await _readyz(servers)
-    assert status == 503 and body["engines"]["local"].startswith("unreachable"), (status, body)
+    assert status == 503 and body["engines"]["local"].startswith("nothing listens at"), (
+        status, body)
 
 
 # -- config --------------------------------------------------------------------------------------

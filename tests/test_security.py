@@ -143,7 +143,7 @@ async def test_engine_api_key_never_reaches_a_client(engine: FakeEngine,
                                         f"GET {path} HTTP/1.1\r\n{close}".encode()))
     statuses = [int(answer.split(b" ", 2)[1]) for answer in answers]
     assert statuses == [200, 403, 404, 400, 501, 200, 200, 200], statuses
-    assert engine.record.aborts and engine.record.aborts[-1].authorization == "Bearer sekret-key", (
+    assert engine.record.probes and engine.record.probes[-1].authorization == "Bearer sekret-key", (
         "expected /readyz to have made an abort call carrying the key")
     for raw, answer in zip(proxy_requests + [b"admin"] * 3, answers, strict=True):
         assert b"sekret-key" not in answer, f"the key reached a client answering {raw[:40]!r}"
