@@ -15,5 +15,7 @@ generation (adapters, router, sessions; SIGHUP swaps it) and counts requests in 
 ``app.py`` builds the proxy and admin applications with their state under typed keys;
 ``server.py`` runs them as production does and drains them on SIGTERM; ``workers.py``
 supervises ``--workers N`` processes on one port; ``cli.py`` is the ``cancel-sidecar`` command;
-``cancel.py`` is the admin listener's cancel API (the same abort path, asked by an operator).
+``cancel.py`` is the admin listener's cancel API (the same abort path, asked by an operator);
+``readiness.py`` checks that each engine answers and can abort (``/readyz`` and the startup
+check), saying what to fix.
 """
