@@ -110,10 +110,14 @@ class Readiness:
         """Check every engine concurrently; engine name -> ``"ok"`` or what to fix. Logs each
         engine whose verdict changed since the last check (the first check logs them all)."""
         runtime = self._runtimes.current
-        session = runtime.sessions[1]  # never pooled: the proxy's pool stays the clients' own
         names = list(runtime.adapters)
-        verdicts = await asyncio.gather(
-            *(check_engine(session, runtime.adapters[n]) for n in names))
+        # A session of its own, never pooled: the proxy's pool stays the clients' own, and a
+        # reload that closes the generation's sessions cannot cut a check short.
+        async with aiohttp.ClientSession(
+                connector=aiohttp.TCPConnector(force_close=True),
+                cookie_jar=aiohttp.DummyCookieJar(), trust_env=False) as session:
+            verdicts = await asyncio.gather(
+                *(check_engine(session, runtime.adapters[n]) for n in names))
         results = dict(zip(names, verdicts, strict=True))
         for name, verdict in results.items():
             if self._last.get(name) == verdict:

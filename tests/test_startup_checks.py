@@ -8,12 +8,15 @@ engine on 127.0.0.1; ``/readyz`` is asked on the CLI's admin port and must carry
 
 from __future__ import annotations
 
+import re
+import signal
 from pathlib import Path
 from typing import Any
 
 import aiohttp
 import pytest
 
+from sidecar.app import ABORT_DRAIN_S
 from tests.cli_process import CliProcess, cli_process, config_tree
 from tests.fake_engine import FakeEngine
 from tests.upstreams import refused_port
@@ -138,3 +141,18 @@ async def test_workers_run_the_startup_check_once(engine: FakeEngine, tmp_path: 
         assert len(_lines(cli, SCALE_OUT)) == 1 and len(_lines(cli, READY)) == 1, (
             "expected one hint and one ready line (the supervisor's check only), got "
             f"{_lines(cli, SCALE_OUT)} {_lines(cli, READY)}")
+
+
+async def test_stop_does_not_wait_for_the_startup_check(tmp_path: Path) -> None:
+    """SIGTERM while the check still waits for an engine that never comes: the check is
+    cancelled at once; left to the app teardown it would hold the stop for ABORT_DRAIN_S."""
+    url = f"http://127.0.0.1:{refused_port()}"
+    async with cli_process(tmp_path, config_tree(url)) as cli:
+        await cli.wait_log("nothing listens at", CHECK_S)
+        cli.signal(signal.SIGTERM)
+        assert await cli.wait_exit() == 0, cli.stderr
+        match = re.search(r"stopped in (\d+\.\d+) s", cli.stderr)
+        assert match and float(match[1]) < ABORT_DRAIN_S - 1, (
+            f"expected a stop well under {ABORT_DRAIN_S} s, got {match and match[0]}; "
+            f"stderr:\n{cli.stderr}")
+        assert "background task" not in cli.stderr, cli.stderr
