@@ -173,7 +173,8 @@ class EngineSettings(_Model):
 
 
 class DownstreamSettings(_Model):
-    """Limits on the downstream (client) side. Streams never have a total timeout.
+    """Limits on the downstream (client) side. No total timeout here (a request's deadline is
+    ``routes[].max_duration_s``).
 
     ``idle_timeout_s``: a client connection with no request in progress (idle keep-alive, or a
     request head not yet complete: a silent client) is closed after this many seconds, counted
@@ -196,7 +197,8 @@ class DownstreamSettings(_Model):
 
 
 class UpstreamSettings(_Model):
-    """Limits on the upstream (engine) side. Streams never have a total timeout.
+    """Limits on the upstream (engine) side. No total timeout here (a request's deadline is
+    ``routes[].max_duration_s``).
 
     ``connect_timeout_s``: TCP connect, seconds. ``first_byte_timeout_s``: from the request being
     sent until the response headers arrive (a non-streaming generation counts whole), seconds.
