@@ -11,6 +11,7 @@ a deadline of ``D`` must end the request after ``D`` and well before the engine 
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
 import time
 from collections.abc import Callable
@@ -257,3 +258,32 @@ def test_deadlines_example_loads() -> None:
     settings = load_config(REPO / "config/examples/deadlines.yaml", env={})
     limits = {r.prefix: r.max_duration_s for r in settings.routes}
     assert limits == {"/v1/chat/completions": 300.0, "/v1/completions": 300.0, "/": None}, limits
+
+
+async def test_deadline_while_the_client_sends_its_body_answers_504_without_abort(
+        engine: FakeEngine, start_sidecar: Callable[..., Any]) -> None:
+    servers: Servers = await start_sidecar(sidecar_settings(engine.url, routes=route(0.5)))
+    body = chat_body(stream=True)
+    half = len(body) // 2
+    async with asyncio.timeout(WAIT_S), rawhttp.connect(servers.proxy_port) as (reader, writer):
+        writer.write(rawhttp.request_bytes(
+            "POST", CHAT, [("Content-Type", "application/json"),
+                           ("Content-Length", str(len(body)))], body[:half]))
+        await writer.drain()
+        head = await rawhttp.read_head(reader)
+        response = await rawhttp.read_body(reader, head, "POST")
+        rest = await reader.read()  # the sidecar closes the connection: the body is never read
+    assert head.status == 504, f"expected 504, got {head.status} {response.body!r}"
+    assert json.loads(response.body)["error"]["type"] == "deadline_exceeded", response.body
+    assert rest == b"", f"expected the connection closed after the 504, got {rest!r}"
+    assert await engine.watch.until(
+        lambda: bool(engine.watch.on(CHAT)) and engine.watch.on(CHAT)[0].failed_at is not None,
+        WAIT_S), "expected the engine's half-sent request closed"
+    async with aiohttp.ClientSession() as s, s.get(
+            f"http://127.0.0.1:{servers.proxy_port}/health") as r:
+        assert r.status == 200
+    assert engine.record.aborts == [], (
+        f"the engine never had the whole request: no abort expected, got {engine.record.aborts}")
+    values = await metric_values(servers.admin_port)
+    labels = frozenset({("route", "/"), ("phase", "request_body")})
+    assert values.get(("cancel_sidecar_deadline_exceeded_total", labels)) == 1.0, values
