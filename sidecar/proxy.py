@@ -456,7 +456,7 @@ def deadline_s(header: str | None, route_max: float | None) -> float | None:
     if header is None:
         return route_max
     try:
-        asked = float(header)
+        asked = math.nan if "_" in header else float(header)  # Python's float takes "1_0"
     except ValueError:
         asked = math.nan
     if not 0 < asked <= MAX_SECONDS:  # also refuses NaN and infinity

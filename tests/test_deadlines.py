@@ -173,7 +173,7 @@ async def test_the_header_alone_sets_a_deadline_and_is_not_forwarded(
     assert HEADER.lower() not in forwarded, f"the header must not go upstream: {forwarded}"
 
 
-@pytest.mark.parametrize("value", ["0", "-1", "abc", "", "nan", "inf", "1e99", "true"])
+@pytest.mark.parametrize("value", ["0", "-1", "abc", "", "nan", "inf", "1e99", "true", "1_0"])
 async def test_an_invalid_header_is_400_and_nothing_goes_upstream(
         engine: FakeEngine, start_sidecar: Callable[..., Any], value: str) -> None:
     servers: Servers = await start_sidecar(sidecar_settings(engine.url, routes=route(5.0)))
