@@ -12,7 +12,8 @@ Shape (see ``config/sidecar.yaml`` for the commented reference)::
     downstream: {idle_timeout_s, body_timeout_s, max_body_bytes, write_buffer_bytes}
     upstream: {connect_timeout_s, first_byte_timeout_s, read_timeout_s, keepalive_timeout_s, ...}
     engines:  {NAME: {kind, url, abort: {path, api_key, timeout_s, retries}}}
-    routes:   [{prefix, engine, abort}]           abort: the engines to abort (default [engine])
+    routes:   [{prefix, engine, abort, max_duration_s}]  abort: the engines to abort (default
+                                                 [engine]); max_duration_s: a request's deadline
     lifecycle: {grace_period_s}                  how long a stop waits for in-flight requests
 
 A running sidecar re-reads the file on SIGHUP (see :mod:`sidecar.runtime`): engines, routes,
@@ -172,7 +173,8 @@ class EngineSettings(_Model):
 
 
 class DownstreamSettings(_Model):
-    """Limits on the downstream (client) side. Streams never have a total timeout.
+    """Limits on the downstream (client) side. No total timeout here (a request's deadline is
+    ``routes[].max_duration_s``).
 
     ``idle_timeout_s``: a client connection with no request in progress (idle keep-alive, or a
     request head not yet complete: a silent client) is closed after this many seconds, counted
@@ -195,7 +197,8 @@ class DownstreamSettings(_Model):
 
 
 class UpstreamSettings(_Model):
-    """Limits on the upstream (engine) side. Streams never have a total timeout.
+    """Limits on the upstream (engine) side. No total timeout here (a request's deadline is
+    ``routes[].max_duration_s``).
 
     ``connect_timeout_s``: TCP connect, seconds. ``first_byte_timeout_s``: from the request being
     sent until the response headers arrive (a non-streaming generation counts whole), seconds.
@@ -226,11 +229,17 @@ class RouteSettings(_Model):
     complete list (fan-out: prefill and decode engines behind a router of kind ``openai``, or
     every data-parallel replica); every name must be a defined engine of a kind that aborts,
     each named once (checked in :func:`_cross_reference`).
+
+    ``max_duration_s``: a request's deadline, seconds from the sidecar receiving its head; on
+    expiry the engine is aborted and the client gets 504 (before the head) or a final SSE error
+    event (see :mod:`sidecar.proxy`). A client's ``X-Sidecar-Deadline-S`` header may only lower
+    it. Null (the default): no deadline unless the client asks for one.
     """
 
     prefix: RoutePrefix
     engine: str
     abort: Annotated[list[str] | None, Field(min_length=1)] = None
+    max_duration_s: OptionalSeconds = None
 
     def abort_engines(self) -> tuple[str, ...]:
         """The names of the engines a cancelled request of this route is aborted at."""

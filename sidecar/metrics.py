@@ -22,7 +22,7 @@ class Metrics:
             "cancel_sidecar_requests_total",
             "Downstream requests finished, by route prefix and status class (2xx..5xx, or "
             "'disconnected' when the client left first, 'cancelled' when the sidecar ended it: "
-            "the cancel API, or a stop after the grace period).",
+            "the cancel API, a deadline, or a stop after the grace period).",
             ["route", "status_class"], registry=registry)
         self.in_flight = Gauge(
             "cancel_sidecar_in_flight_requests", "Downstream requests being proxied now.",
@@ -38,6 +38,12 @@ class Metrics:
             "cancel_sidecar_cancelled_requests_total",
             "Requests ended through the cancel API (POST /v1/requests/{id}/cancel on the admin "
             "listener), by route prefix and phase (as for client_disconnects_total).",
+            ["route", "phase"], registry=registry)
+        self.deadline_exceeded = Counter(
+            "cancel_sidecar_deadline_exceeded_total",
+            "Requests ended because their deadline passed (routes[].max_duration_s, or the "
+            "client's shorter X-Sidecar-Deadline-S), by route prefix and phase (as for "
+            "client_disconnects_total).",
             ["route", "phase"], registry=registry)
         self.abort_calls = Counter(
             "cancel_sidecar_abort_calls_total",

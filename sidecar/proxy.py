@@ -16,10 +16,13 @@ so the engine's own writes wait too. A request body that breaks a ``downstream``
 silence) gets 413/408 and the connection closed; the engine never had all of it: no abort.
 
 The cancel API (:mod:`sidecar.cancel`) finds an exchange by its sidecar id (``keys.EXCHANGES``)
-and cancels its handler with :data:`CANCEL_REASON`; :func:`handle` consumes only that
-cancellation (``Task.uncancel() == 0``: nothing else, e.g. a disconnect, asked too, as
-``asyncio.timeout`` does) and :meth:`Exchange.end_cancelled` aborts the engine and ends the
-client's response with an error it can parse.
+and cancels its handler with :data:`CANCELLED`; a request's deadline
+(``routes[].max_duration_s``, lowered by the client's :data:`DEADLINE_HEADER`) is one
+``loop.call_at`` timer, cancelled when the request ends, that does the same with
+:data:`DEADLINE`. :func:`handle` consumes only that cancellation (``Task.uncancel() == 0``:
+nothing else, e.g. a disconnect, asked too, as ``asyncio.timeout`` does) and
+:meth:`Exchange.end_cancelled` aborts the engine and ends the client's response with an error it
+can parse (the :class:`Ending`'s status before the head, its SSE error event mid-stream).
 """
 
 from __future__ import annotations
@@ -27,16 +30,19 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import math
 import socket
 import struct
 import time
 import uuid
+from dataclasses import dataclass, field
 
 import aiohttp
 from aiohttp import web
 from multidict import CIMultiDict
 
 from sidecar.abort import Aborter
+from sidecar.config import MAX_SECONDS
 from sidecar.errors import (
     DownstreamError,
     RequestBodyTooLarge,
@@ -69,13 +75,38 @@ log = logging.getLogger(__name__)
 REQUEST_ID = "X-Request-Id"
 CLIENT_REQUEST_ID = "X-Client-Request-Id"
 SSE_DONE = b"data: [DONE]\n\n"
-# The cancel API (sidecar.cancel) ends a cancelled stream with this event: the openai SDK raises
-# APIError on a data event whose JSON has "error" (openai/_streaming.py, Stream.__stream__).
-CANCELLED_EVENT = (b'data: {"error": {"message": "request cancelled", "type": "cancelled", '
-                   b'"param": null, "code": null}}\n\n')
-CANCELLED_STATUS = 499  # before the response head; 4xx: no SDK retries it (openai: 408/409/429/5xx)
-CANCEL_REASON = "cancelled via API"
+# A client's deadline for its request, seconds (a positive decimal number); it can only lower the
+# route's max_duration_s. Addressed to the sidecar: never forwarded upstream.
+DEADLINE_HEADER = "X-Sidecar-Deadline-S"
 CANCEL_WRITE_S = 5.0  # how long ending a cancelled response may wait for a slow client
+
+
+@dataclass(frozen=True, slots=True)
+class Ending:
+    """Why the sidecar ends a request itself, and how the client is told: ``status`` and an
+    OpenAI-style JSON error before the response head, else mid-SSE the final ``event``, whose
+    JSON has ``"error"`` (the openai SDK raises ``APIError`` on it: openai/_streaming.py,
+    Stream.__stream__). ``reason`` goes to the log and the access line's ``cancel_reason``."""
+
+    reason: str
+    status: int
+    status_reason: str
+    error_type: str
+    message: str
+    event: bytes = field(init=False)
+
+    def __post_init__(self) -> None:
+        error = {"message": self.message, "type": self.error_type, "param": None, "code": None}
+        object.__setattr__(self, "event", b"data: " + json.dumps({"error": error}).encode()
+                           + b"\n\n")
+
+
+# The cancel API (sidecar.cancel). 499: a 4xx no SDK retries (openai: 408/409/429/5xx).
+CANCELLED = Ending("cancelled via API", 499, "Request Cancelled", "cancelled",
+                   "request cancelled")
+# The request's deadline passed. 504: what a gateway answers for an upstream that took too long.
+DEADLINE = Ending("deadline exceeded", 504, "Gateway Timeout", "deadline_exceeded",
+                  "deadline exceeded")
 _LINGER_RESET = struct.pack("ii", 1, 0)  # SO_LINGER on, 0 s: close() sends RST
 
 
@@ -112,7 +143,7 @@ class Exchange:
         self.response: web.StreamResponse | None = None  # once the relayed head is built
         self.tail = b""  # the last chunk relayed: does the stream end between SSE events?
         self.task = asyncio.current_task()  # the handler's, cancelled by the cancel API
-        self.cancel_requested = False
+        self.ending: Ending | None = None  # set when the sidecar asks to end the request
         self.access = RequestLog(self.id, request.method, request.path, target.prefix,
                                  target.engine.name, request.headers.get(REQUEST_ID))
 
@@ -121,6 +152,7 @@ class Exchange:
         settings = self.runtime.settings.upstream
         headers = upstream_request_headers(request.headers, request.remote, request.scheme)
         client_id = headers.popall(REQUEST_ID, None)
+        headers.popall(DEADLINE_HEADER, None)
         if client_id:
             headers[CLIENT_REQUEST_ID] = client_id[0]
         self.target.tag(request.path, self.id, headers)
@@ -349,35 +381,39 @@ class Exchange:
                     sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, _LINGER_RESET)
                 transport.abort()
 
-    def request_cancel(self) -> bool:
-        """The cancel API: cancel the handler with :data:`CANCEL_REASON`; :func:`handle` then
-        calls :meth:`end_cancelled`. ``False`` if already requested (or no handler task)."""
-        if self.cancel_requested or self.task is None or self.task.done():
+    def request_cancel(self, ending: Ending = CANCELLED) -> bool:
+        """The cancel API (or the deadline timer, with :data:`DEADLINE`): cancel the handler;
+        :func:`handle` then calls :meth:`end_cancelled`. ``False`` if an ending was already
+        requested (the first wins) or the handler is gone."""
+        if self.ending is not None or self.task is None or self.task.done():
             return False
-        self.cancel_requested = True
-        self.task.cancel(CANCEL_REASON)
+        self.ending = ending
+        self.task.cancel(ending.reason)
         return True
 
     async def end_cancelled(self) -> web.StreamResponse:
         """After :meth:`request_cancel`: close upstream and abort the engine (as after a
-        disconnect, not counted as one), then end the client's response: a JSON 499 error before
-        the head; the :data:`CANCELLED_EVENT` and the end of the stream mid-SSE (at an event
-        boundary); else (a JSON body begun, or mid-event) the response cut short."""
-        self.cancel(CANCEL_REASON, disconnect=False)
+        disconnect, not counted as one), then end the client's response as its :class:`Ending`
+        says: a JSON error with its status before the head; its SSE error event and the end of
+        the stream mid-SSE (at an event boundary); else (a JSON body begun, or mid-event) the
+        response cut short."""
+        ending = self.ending or CANCELLED
+        self.cancel(ending.reason, disconnect=False)
         self.close()
         if self.phase is None:  # the engine had already finished
             self.phase = self._phase(None)
-        self.metrics.cancelled.labels(self.target.prefix, self.phase).inc()
-        self.access.cancelled(CANCEL_REASON)
+        counter = self.metrics.deadline_exceeded if ending is DEADLINE else self.metrics.cancelled
+        counter.labels(self.target.prefix, self.phase).inc()
+        self.access.cancelled(ending.reason)
         response = self.response
         if response is None or not response.prepared:
-            return await self._cancelled_before_head()
+            return await self._cancelled_before_head(ending)
         try:
             async with asyncio.timeout(CANCEL_WRITE_S):
                 sse = response.content_type == "text/event-stream"
                 if sse and (not self.tail or self.tail.endswith((b"\n\n", b"\r\n\r\n"))):
-                    await response.write(CANCELLED_EVENT)
-                    self.bytes_sent += len(CANCELLED_EVENT)
+                    await response.write(ending.event)
+                    self.bytes_sent += len(ending.event)
                     await response.write_eof()
                     return response
         except (TimeoutError, ConnectionResetError):
@@ -385,9 +421,9 @@ class Exchange:
         self._cut(response)
         return response
 
-    async def _cancelled_before_head(self) -> web.StreamResponse:
-        response = error_response(CANCELLED_STATUS, "request cancelled", "cancelled", self.id)
-        response.set_status(CANCELLED_STATUS, "Request Cancelled")
+    async def _cancelled_before_head(self, ending: Ending) -> web.StreamResponse:
+        response = error_response(ending.status, ending.message, ending.error_type, self.id)
+        response.set_status(ending.status, ending.status_reason)
         if self.phase == "request_body":
             response.force_close()  # the rest of the body is never read
         try:
@@ -412,8 +448,27 @@ def _refuse(request: web.Request, status: int, message: str, error_type: str) ->
     return response
 
 
+def deadline_s(header: str | None, route_max: float | None) -> float | None:
+    """The request's deadline, seconds: the client's :data:`DEADLINE_HEADER` value capped by
+    the route's ``max_duration_s`` (either may be ``None``: no limit of its own). Raises
+    ``ValueError`` with the message for the client if the header is not a finite number
+    > 0 and <= ``MAX_SECONDS``."""
+    if header is None:
+        return route_max
+    try:
+        asked = math.nan if "_" in header else float(header)  # Python's float takes "1_0"
+    except ValueError:
+        asked = math.nan
+    if not 0 < asked <= MAX_SECONDS:  # also refuses NaN and infinity
+        raise ValueError(f"{DEADLINE_HEADER} must be a number of seconds > 0 and <= "
+                         f"{MAX_SECONDS:.0f}, got {json.dumps(header[:40])}")
+    return asked if route_max is None else min(asked, route_max)
+
+
 async def handle(request: web.Request, runtime: Runtime) -> web.StreamResponse:
     """Proxy one request with the config generation ``runtime`` it started on."""
+    loop = asyncio.get_running_loop()
+    received = loop.time()  # the head was just parsed: the deadline counts from here
     target = runtime.router.match(request.path)
     target_path = origin_form(request.raw_path, request.rel_url.raw_path_qs)
     if target is None:
@@ -430,13 +485,23 @@ async def handle(request: web.Request, runtime: Runtime) -> web.StreamResponse:
                           "not_implemented")
         refusal.force_close()  # the body is left unread
         return refusal
+    asked = request.headers.getall(DEADLINE_HEADER, [])
+    try:
+        if len(asked) > 1:
+            raise ValueError(f"{DEADLINE_HEADER} must be given at most once")
+        deadline = deadline_s(asked[0] if asked else None, target.max_duration_s)
+    except ValueError as exc:
+        return _refuse(request, 400, str(exc), "invalid_request")
     metrics = request.app[METRICS]
     exchange = Exchange(request, runtime, target, request.app[ABORTER], metrics, target_path)
+    timer = (None if deadline is None
+             else loop.call_at(received + deadline, exchange.request_cancel, DEADLINE))
     exchanges = request.app[EXCHANGES]
     exchanges[exchange.id] = exchange
     in_flight = metrics.in_flight.labels(target.prefix)
     in_flight.inc()
-    status_class = "disconnected"  # or "cancelled": the sidecar stopped it (shutdown)
+    status_class = "disconnected"  # or "cancelled": the sidecar ended it (shutdown, cancel API,
+    # deadline)
     gone = False
     try:
         response = await exchange.run()
@@ -446,7 +511,7 @@ async def handle(request: web.Request, runtime: Runtime) -> web.StreamResponse:
             exchange.bytes_sent = response.content_length or 0
         return response
     except asyncio.CancelledError:
-        if exchange.cancel_requested and exchange.task and exchange.task.uncancel() == 0:
+        if exchange.ending and exchange.task and exchange.task.uncancel() == 0:
             status_class = "cancelled"  # our own cancellation, consumed: nothing else asked
             return await exchange.end_cancelled()
         gone = request.transport is None or request.transport.is_closing()
@@ -460,6 +525,8 @@ async def handle(request: web.Request, runtime: Runtime) -> web.StreamResponse:
         exchange.cancel("client disconnected")
         return web.Response(status=499)
     finally:
+        if timer is not None:
+            timer.cancel()
         del exchanges[exchange.id]
         exchange.close()
         in_flight.dec()

@@ -17,7 +17,8 @@ from sidecar.config import Settings
 class RouteTarget:
     """A matched route: its configured prefix, the adapter of the engine behind it, and the
     adapters of the engines its cancelled requests are aborted at (``routes[].abort``; by
-    default just ``engine``; several for prefill/decode or data-parallel fan-out).
+    default just ``engine``; several for prefill/decode or data-parallel fan-out), and its
+    ``max_duration_s`` (seconds, ``None``: no deadline of its own).
 
     The request-shaping methods ask every adapter involved (``engine`` first, then the abort
     engines), so each engine sees the same sidecar id and each can derive its own ids.
@@ -26,6 +27,7 @@ class RouteTarget:
     prefix: str
     engine: EngineAdapter
     aborts: tuple[EngineAdapter, ...] = ()
+    max_duration_s: float | None = None
     _shapers: tuple[EngineAdapter, ...] = field(init=False, repr=False)
     forbidden_paths: frozenset[str] = field(init=False)
 
@@ -67,7 +69,8 @@ class Router:
         routes = sorted(settings.routes, key=lambda r: len(r.prefix.rstrip("/")), reverse=True)
         self._targets = [
             (r.prefix.rstrip("/"), RouteTarget(
-                r.prefix, adapters[r.engine], tuple(adapters[n] for n in r.abort_engines())))
+                r.prefix, adapters[r.engine], tuple(adapters[n] for n in r.abort_engines()),
+                r.max_duration_s))
             for r in routes
         ]
 
