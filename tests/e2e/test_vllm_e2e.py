@@ -15,6 +15,9 @@ Proof comes from vLLM's own ``/metrics`` (``vllm:num_requests_running``,
 - requests that are not disconnected come back byte-identical (after normalising the per-request
   ``id`` and ``created`` fields), and ``X-Request-Id`` is the id vLLM used;
 - the ``openai`` SDK works through the sidecar, and abandoning its stream aborts the engine.
+- the cancel API (``POST /v1/requests/{id}/cancel``) and a deadline (``X-Sidecar-Deadline-S``)
+  stop a request whose client stays connected, streaming (final SSE error event, no ``[DONE]``)
+  and non-streaming (499 / 504 JSON), and vLLM stops running it.
 
 The measured figures are printed as a table (``pytest -s``) and written to
 ``tests/e2e/.last_results.json``. The target is "stops within 100 ms"; the assertions use a
@@ -512,3 +515,244 @@ class _nothing:
 
     def __exit__(self, *exc: object) -> None:
         return None
+
+
+# --- (e) the cancel API and deadlines on the real engine ----------------------------------------
+
+DEADLINE_S = 1.0        # X-Sidecar-Deadline-S for the deadline tests (the default route has none)
+CHAT_ID_HEAD = re.compile(  # a chat request's X-Request-Id, as the sidecar sends it upstream
+    rb"POST /v1/chat/completions HTTP/1\.1\r\n(?:[^\r\n]+\r\n)*?x-request-id: *([^\r\n]+)\r\n",
+    re.IGNORECASE)
+
+
+class IdTap:
+    """A byte relay between a sidecar and vLLM that notes the ``X-Request-Id`` of each chat
+    request going upstream: the only way to learn a non-streaming request's id before its
+    response head (which carries it) arrives. Bytes and closes pass through unchanged."""
+
+    def __init__(self, engine: VLLMServer) -> None:
+        self.engine = engine
+        self.ids: list[str] = []
+        self.server: asyncio.Server | None = None
+        self.tasks: set[asyncio.Task[None]] = set()
+
+    async def __aenter__(self) -> IdTap:
+        self.server = await asyncio.start_server(self._relay, "127.0.0.1", 0)
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        assert self.server is not None
+        self.server.close()
+        for task in self.tasks:
+            task.cancel()
+        await asyncio.gather(*self.tasks, return_exceptions=True)
+
+    @property
+    def url(self) -> str:
+        assert self.server is not None
+        return f"http://127.0.0.1:{self.server.sockets[0].getsockname()[1]}"
+
+    async def _relay(self, down_r: asyncio.StreamReader, down_w: asyncio.StreamWriter) -> None:
+        up_r, up_w = await asyncio.open_connection(self.engine.host, self.engine.port)
+        seen = bytearray()
+
+        async def pipe(r: asyncio.StreamReader, w: asyncio.StreamWriter, tap: bool) -> None:
+            try:
+                while data := await r.read(65536):
+                    if tap:
+                        seen.extend(data)
+                        for m in CHAT_ID_HEAD.finditer(seen):
+                            self.ids.append(m[1].decode())
+                        del seen[:max((m.end() for m in CHAT_ID_HEAD.finditer(seen)),
+                                      default=0)]
+                    w.write(data)
+                    await w.drain()
+            except ConnectionError:
+                pass
+            finally:
+                w.close()
+
+        tasks = [asyncio.create_task(pipe(down_r, up_w, True)),
+                 asyncio.create_task(pipe(up_r, down_w, False))]
+        self.tasks.update(tasks)
+        await asyncio.gather(*tasks, return_exceptions=True)
+        self.tasks.difference_update(tasks)
+
+
+async def call_cancel(sc: SidecarProcess, request_id: str) -> tuple[int, dict[str, Any]]:
+    async with aiohttp.ClientSession() as s, s.post(
+            f"{sc.admin_url}/v1/requests/{request_id}/cancel",
+            timeout=aiohttp.ClientTimeout(total=30)) as r:
+        return r.status, await r.json()
+
+
+async def read_to_end_of_chunked(client: RawClient, guard_s: float = 30.0) -> tuple[bytes, bool]:
+    """Read the rest of a chunked body: (raw bytes, True if it ended with the last chunk
+    ``0\\r\\n\\r\\n``; False if the connection ended first: a body cut short)."""
+    raw = b""
+    async with asyncio.timeout(guard_s):
+        while not raw.endswith(b"\r\n0\r\n\r\n"):
+            data = await client.reader.read(65536)
+            if not data:
+                return raw, False
+            raw += data
+    return raw, True
+
+
+async def read_json_body(client: RawClient, guard_s: float = 30.0) -> dict[str, Any]:
+    async with asyncio.timeout(guard_s):
+        body = await client.reader.readexactly(int(client.headers["content-length"]))
+    data: dict[str, Any] = json.loads(body)
+    return data
+
+
+def last_sse_error(raw: bytes) -> dict[str, Any]:
+    """The last ``data:`` event of a (still chunk-framed) SSE body, which must be an error."""
+    events = re.findall(rb"data: [^\n]*", raw)
+    assert events, f"expected SSE events, got {raw[-300:]!r}"
+    assert b"[DONE]" not in raw, f"expected no data: [DONE] after an ending, got {raw[-300:]!r}"
+    last: dict[str, Any] = json.loads(events[-1][6:])
+    assert "error" in last, f"expected a final error event, got {events[-1]!r}"
+    error: dict[str, Any] = last["error"]
+    return error
+
+
+async def assert_engine_stopped(sampler: MetricsSampler, t0: float, results: dict[str, Any],
+                                case: str, what: str) -> StopReport:
+    """vLLM idle within STOP_GUARD_S of ``t0``, and no token counted in the next QUIET_S."""
+    await sampler.wait_for(lambda s: s.running == 0 and s.waiting == 0, guard_s=20,
+                           what=f"running == 0 after {what}")
+    await asyncio.sleep(QUIET_S)  # watch that no token is counted any more
+    report = sampler.stop_report(t0)
+    record(results, case, "sidecar", report, rate_before(sampler, t0))
+    assert report.ms_to_idle is not None and report.ms_to_idle < STOP_GUARD_S * 1000, (
+        f"expected running == 0 within {STOP_GUARD_S}s of {what}, got {report}")
+    assert report.ms_to_last_token < STOP_GUARD_S * 1000, (
+        f"expected the token counter to stop within {STOP_GUARD_S}s of {what}, got {report}")
+    quiet = [s for s in sampler.snapshot() if s.t > time.monotonic() - QUIET_S]
+    assert len({s.generation_tokens for s in quiet}) == 1, (
+        f"expected no token counted in the last {QUIET_S}s, samples: {quiet[:2]}..{quiet[-2:]}")
+    print(f"\n{case}: running == 0 {report.ms_to_idle} ms after {what}, last token at "
+          f"{report.ms_to_last_token} ms, {report.tokens_after} tokens after")
+    return report
+
+
+async def test_cancel_api_stops_a_streaming_request_on_vllm(
+        sidecar: SidecarProcess, model_dir: Path, sampler: MetricsSampler,
+        results: dict[str, Any]) -> None:
+    """The client stays connected and keeps reading; only the cancel API stops the request
+    (vLLM never sees a disconnect here: without the sidecar's abort it would go on)."""
+    aborts_before = sidecar_counter(sidecar, "cancel_sidecar_abort_calls_total", outcome="ok")
+    client = await start_generating(sidecar.base_url, model_dir, "chat stream", sampler)
+    try:
+        request_id = client.headers["x-request-id"]
+        reading = asyncio.create_task(read_to_end_of_chunked(client))  # the client keeps reading
+        t0 = time.monotonic()
+        status, answer = await call_cancel(sidecar, request_id)
+        answered_ms = (time.monotonic() - t0) * 1000
+        raw, ended = await reading
+    finally:
+        await client.disconnect("close")
+    assert (status, answer) == (200, {"id": request_id, "cancelled": True,
+                                      "phase": "streaming"}), (status, answer)
+    assert ended, f"expected the chunked stream to end with its last chunk, got {raw[-200:]!r}"
+    error = last_sse_error(raw)
+    assert error["type"] == "cancelled", error
+    report = await assert_engine_stopped(sampler, t0, results, "cancel API, chat stream",
+                                         "the cancel call")
+    print(f"cancel API answered in {answered_ms:.0f} ms; running == 0 at {report.ms_to_idle} ms")
+    aborts_after = sidecar_counter(sidecar, "cancel_sidecar_abort_calls_total", outcome="ok")
+    assert aborts_after == aborts_before + 1, (
+        f"expected exactly one successful abort call, counter went {aborts_before} -> "
+        f"{aborts_after}")
+
+
+async def test_cancel_api_stops_a_non_streaming_request_on_vllm(
+        engine: VLLMServer, model_dir: Path, sampler: MetricsSampler, results: dict[str, Any],
+        tmp_path: Path) -> None:
+    """A non-streaming chat has no response head (so no ``X-Request-Id``) before it is done: a
+    second sidecar talks to vLLM through :class:`IdTap`, which reads the id on its way up."""
+    async with IdTap(engine) as tap:
+        sc = start_sidecar(tap.url, tmp_path / "tapped-sidecar")
+        try:
+            client = await start_generating(sc.base_url, model_dir, "chat", sampler)
+            try:
+                assert len(tap.ids) == 1, f"expected one chat request seen upstream: {tap.ids}"
+                t0 = time.monotonic()
+                status, answer = await call_cancel(sc, tap.ids[0])
+                await client.read_head()
+                body = await read_json_body(client)
+            finally:
+                await client.disconnect("close")
+            assert (status, answer) == (200, {"id": tap.ids[0], "cancelled": True,
+                                              "phase": "awaiting_response"}), (status, answer)
+            assert client.status == 499, f"expected 499, got {client.status}: {body}"
+            assert client.headers.get("x-request-id") == tap.ids[0], client.headers
+            assert body["error"]["type"] == "cancelled", body
+            await assert_engine_stopped(sampler, t0, results, "cancel API, chat",
+                                        "the cancel call")
+            aborts = sidecar_counter(sc, "cancel_sidecar_abort_calls_total", outcome="ok")
+            assert aborts == 1, f"expected exactly one successful abort call, got {aborts}"
+        finally:
+            status_code = sc.stop()
+        assert status_code == 0, f"expected exit 0 on SIGTERM, got {status_code}"
+
+
+async def test_deadline_stops_a_streaming_request_on_vllm(
+        sidecar: SidecarProcess, model_dir: Path, sampler: MetricsSampler,
+        results: dict[str, Any]) -> None:
+    path, body, _, _ = CASES["chat stream"]
+    before = sidecar_counter(sidecar, "cancel_sidecar_deadline_exceeded_total", phase="streaming")
+    sent = time.monotonic()
+    client = await RawClient.post(sidecar.base_url, path, long_body(model_dir, body),
+                                  {"X-Sidecar-Deadline-S": str(DEADLINE_S)})
+    try:
+        await client.read_head()
+        assert client.status == 200, f"expected 200, got {client.status}"
+        await client.read_events(3)
+        raw, ended = await read_to_end_of_chunked(client)  # the client keeps reading
+        elapsed = time.monotonic() - sent
+    finally:
+        await client.disconnect("close")
+    assert ended, f"expected the chunked stream to end with its last chunk, got {raw[-200:]!r}"
+    assert DEADLINE_S <= elapsed < DEADLINE_S + STOP_GUARD_S, (
+        f"expected the stream to end {DEADLINE_S}s after the request (guard {STOP_GUARD_S}s), "
+        f"got {elapsed:.3f}s")
+    error = last_sse_error(raw)
+    assert error["type"] == "deadline_exceeded", error
+    generating = [s for s in sampler.snapshot() if sent < s.t < sent + DEADLINE_S]
+    assert any(s.running == 1 for s in generating), (
+        f"expected vLLM to run the request before the deadline, samples: {generating[-3:]}")
+    report = await assert_engine_stopped(sampler, sent + DEADLINE_S, results,
+                                         "deadline 1 s, chat stream", "the deadline")
+    print(f"deadline {DEADLINE_S}s: the stream ended at {elapsed * 1000:.0f} ms; running == 0 "
+          f"{report.ms_to_idle} ms after the deadline")
+    after = sidecar_counter(sidecar, "cancel_sidecar_deadline_exceeded_total", phase="streaming")
+    assert after == before + 1, f"expected one streaming deadline counted: {before} -> {after}"
+
+
+async def test_deadline_stops_a_non_streaming_request_on_vllm(
+        sidecar: SidecarProcess, model_dir: Path, sampler: MetricsSampler,
+        results: dict[str, Any]) -> None:
+    path, body, _, _ = CASES["chat"]
+    sent = time.monotonic()
+    client = await RawClient.post(sidecar.base_url, path, long_body(model_dir, body),
+                                  {"X-Sidecar-Deadline-S": str(DEADLINE_S)})
+    try:
+        await client.read_head()
+        elapsed = time.monotonic() - sent
+        answer = await read_json_body(client)
+    finally:
+        await client.disconnect("close")
+    assert client.status == 504, f"expected 504, got {client.status}: {answer}"
+    assert answer["error"]["type"] == "deadline_exceeded", answer
+    assert DEADLINE_S <= elapsed < DEADLINE_S + STOP_GUARD_S, (
+        f"expected the 504 {DEADLINE_S}s after the request (guard {STOP_GUARD_S}s), "
+        f"got {elapsed:.3f}s")
+    generating = [s for s in sampler.snapshot() if sent < s.t < sent + DEADLINE_S]
+    assert any(s.running == 1 for s in generating), (
+        f"expected vLLM to run the request before the deadline, samples: {generating[-3:]}")
+    report = await assert_engine_stopped(sampler, sent + DEADLINE_S, results,
+                                         "deadline 1 s, chat", "the deadline")
+    print(f"deadline {DEADLINE_S}s: 504 at {elapsed * 1000:.0f} ms; running == 0 "
+          f"{report.ms_to_idle} ms after the deadline")
