@@ -19,11 +19,33 @@ The proxy owns all network I/O; adapters never touch a socket, so each can be te
 from __future__ import annotations
 
 import abc
+import json
 from collections.abc import MutableMapping
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
 from sidecar.config import EngineKind, EngineSettings
+
+
+def parse_json(body: bytes | None) -> Any:
+    """``body`` parsed as JSON, or ``None`` if absent or malformed (too deep included): an
+    adapter's best-effort view of a body the engine will judge itself. Never raises."""
+    if body is None:
+        return None
+    try:
+        return json.loads(body)
+    except (ValueError, RecursionError):
+        return None
+
+
+def with_field(body: bytes, name: str, value: Any) -> bytes | None:
+    """``body`` (a JSON object) with ``name`` set to ``value``, re-serialised compactly; ``None``
+    if ``body`` is not a JSON object (sent unchanged; the engine rejects it itself)."""
+    parsed = parse_json(body)
+    if not isinstance(parsed, dict):
+        return None
+    parsed[name] = value
+    return json.dumps(parsed, separators=(",", ":")).encode()
 
 
 @dataclass(frozen=True, slots=True)

@@ -32,12 +32,11 @@ and function, and where issue 4's claims hold):
 
 from __future__ import annotations
 
-import json
 import logging
 from collections.abc import MutableMapping
 from typing import Any
 
-from engine.base import AbortCall, EngineAdapter
+from engine.base import AbortCall, EngineAdapter, parse_json, with_field
 from sidecar.config import EngineKind, EngineSettings
 
 log = logging.getLogger(__name__)
@@ -49,14 +48,6 @@ COMPLETIONS = "/v1/completions"
 CHAT = "/v1/chat/completions"
 BODY_RID_ROUTES = frozenset({GENERATE, COMPLETIONS, CHAT})
 
-
-def _parse_json(body: bytes | None) -> Any:
-    if body is None:
-        return None
-    try:
-        return json.loads(body)
-    except (ValueError, RecursionError):
-        return None
 
 
 def _list_size(value: Any, single_item: type | tuple[type, ...]) -> int | None:
@@ -140,11 +131,7 @@ class SGLangAdapter(EngineAdapter):
         """Set ``rid`` to ``sidecar_id``, replacing any value (string or list) the client sent:
         a client never chooses the id an abort names. ``None`` for a body that is not a JSON
         object (SGLang rejects it itself)."""
-        parsed = _parse_json(body)
-        if not isinstance(parsed, dict):
-            return None
-        parsed["rid"] = sidecar_id
-        return json.dumps(parsed, separators=(",", ":")).encode()
+        return with_field(body, "rid", sidecar_id)
 
     def wants_body(self, method: str, path: str) -> bool:
         return self.rewrites_body(method, path)
@@ -154,7 +141,7 @@ class SGLangAdapter(EngineAdapter):
     ) -> tuple[str, ...]:
         if not self.rewrites_body(method, path):
             return ()
-        parsed = _parse_json(body)
+        parsed = parse_json(body)
         n = samples(path, parsed)
         if n > 1:
             log.warning("request %s: n=%d samples run under fresh SGLang rids; not aborted by "

@@ -41,11 +41,10 @@ Facts (vLLM 0.32, read in the installed source and proven on a real engine by ``
 
 from __future__ import annotations
 
-import json
 from collections.abc import Callable, MutableMapping
 from typing import Any
 
-from engine.base import AbortCall, EngineAdapter
+from engine.base import AbortCall, EngineAdapter, parse_json, with_field
 from sidecar.config import EngineKind
 
 REQUEST_ID_HEADER = "X-Request-Id"
@@ -73,14 +72,6 @@ def count_prompts(body: Any) -> int:
         count += len(embeds)
     return max(count, 1)
 
-
-def _parse_json(body: bytes | None) -> Any:
-    if body is None:
-        return None
-    try:
-        return json.loads(body)
-    except (ValueError, RecursionError):
-        return None
 
 
 def _chat(sid: str, body: Any) -> tuple[str, ...]:
@@ -154,7 +145,7 @@ class VLLMAdapter(EngineAdapter):
         rule = ROUTES.get(path) if method == "POST" else None
         if rule is None:
             return ()
-        return rule[1](sidecar_id, _parse_json(body) if rule[0] else None)
+        return rule[1](sidecar_id, parse_json(body) if rule[0] else None)
 
     def rewrites_body(self, method: str, path: str) -> bool:
         return method == "POST" and path == RESPONSES_PATH
@@ -162,11 +153,7 @@ class VLLMAdapter(EngineAdapter):
     def rewrite_body(self, method: str, path: str, sidecar_id: str, body: bytes) -> bytes | None:
         """``/v1/responses``: set ``request_id`` to ``resp_{sidecar_id}``, replacing any value
         the client sent (it must never choose the id an abort names)."""
-        parsed = _parse_json(body)
-        if not isinstance(parsed, dict):
-            return None
-        parsed["request_id"] = f"resp_{sidecar_id}"
-        return json.dumps(parsed, separators=(",", ":")).encode()
+        return with_field(body, "request_id", f"resp_{sidecar_id}")
 
     def abort_call(self, ids: tuple[str, ...]) -> AbortCall:
         """``POST <abort path>`` with ``{"request_ids": [...ids]}``."""
