@@ -8,7 +8,7 @@ loop is uvloop's, as in production.
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Iterator
 from typing import Any
 
 import pytest
@@ -20,6 +20,7 @@ from prometheus_client import CollectorRegistry
 from sidecar import server
 from sidecar.config import Settings, parse_config
 from tests.fake_engine import FakeEngine
+from tests.support import Stalls
 
 
 def pytest_asyncio_loop_factories(config: pytest.Config, item: pytest.Item
@@ -77,3 +78,11 @@ async def start_sidecar() -> AsyncIterator[Callable[..., Any]]:
 async def sidecar(engine: FakeEngine, start_sidecar: Callable[..., Any]) -> server.Servers:
     servers: server.Servers = await start_sidecar(sidecar_settings(engine.url))
     return servers
+
+
+@pytest.fixture(scope="session", name="stalls")
+def stall_monitor() -> Iterator[Stalls]:
+    """Records when this test process did not run (see :class:`tests.support.Stalls`)."""
+    monitor = Stalls()
+    yield monitor
+    monitor.stop()

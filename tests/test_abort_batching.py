@@ -19,7 +19,7 @@ import socket
 import struct
 import time
 from collections import Counter
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from dataclasses import dataclass
 from functools import partial
 from typing import Any
@@ -31,7 +31,7 @@ from sidecar.abort import MAX_CALLS_PER_ENGINE
 from sidecar.server import Servers
 from tests.conftest import sidecar_settings
 from tests.fake_engine import ABORT_PATH, FakeEngine
-from tests.test_cancel import (
+from tests.support import (
     COMPLETIONS,
     GUARD_S,
     WAIT_S,
@@ -53,11 +53,6 @@ ABORT_DELAY_S = 0.5  # the engine's abort endpoint answers after this
 CONNECT_AT_ONCE = 64  # connections opened concurrently while setting up (listen backlog)
 
 
-@pytest.fixture(name="stalls")
-def stall_monitor() -> Iterator[Stalls]:
-    monitor = Stalls()
-    yield monitor
-    monitor.stop()
 
 
 @dataclass

@@ -30,7 +30,7 @@ from engine import build_adapters
 from sidecar.config import ConfigError, Settings, load_config, parse_config
 from sidecar.server import Servers
 from tests.fake_engine import HANG_ABORT_PATH, FakeEngine
-from tests.test_cancel import (
+from tests.support import (
     API_KEY,
     COMPLETIONS,
     GUARD_S,
@@ -42,11 +42,9 @@ from tests.test_cancel import (
     request_body,
     samples,
     settle,
-    stall_monitor,
 )
 
 pytestmark = pytest.mark.timeout(60)
-__all__ = ["stall_monitor"]  # the session fixture ``stalls``, shared with tests.test_cancel
 
 REPO = Path(__file__).resolve().parent.parent
 PROMPTS = {"prompt": ["a", "b", "c"]}  # a 3-prompt /v1/completions: cmpl-{id}-0..2

@@ -31,7 +31,7 @@ from sidecar.errors import ConfigError
 from sidecar.server import Servers
 from tests.conftest import sidecar_settings
 from tests.fake_engine import FakeEngine
-from tests.test_cancel import WAIT_S, Stalls, raw_client, request_body, wait_metric
+from tests.support import WAIT_S, Stalls, raw_client, request_body, wait_metric
 from tests.upstreams import refused_port
 
 pytestmark = pytest.mark.timeout(60)
@@ -50,11 +50,6 @@ CHAT = "/v1/chat/completions"
 COMPLETIONS = "/v1/completions"
 
 
-@pytest.fixture(name="stalls")
-def stall_monitor() -> Iterator[Stalls]:
-    monitor = Stalls()
-    yield monitor
-    monitor.stop()
 
 
 @dataclass

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from typing import Any
 
 import aiohttp
@@ -22,7 +22,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from sidecar.server import Servers
 from tests.conftest import sidecar_settings
 from tests.fake_engine import HANG_ABORT_PATH, FakeEngine
-from tests.test_cancel import (
+from tests.support import (
     FOREVER,
     WAIT_S,
     Stalls,
@@ -44,11 +44,6 @@ SLOW_ABORT_S = 0.5
 Values = dict[tuple[str, frozenset[tuple[str, str]]], float]
 
 
-@pytest.fixture(name="stalls")
-def stall_monitor() -> Iterator[Stalls]:
-    monitor = Stalls()
-    yield monitor
-    monitor.stop()
 
 
 def by(values: Values, name: str, *labels: str) -> dict[tuple[str, ...], float]:

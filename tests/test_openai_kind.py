@@ -27,10 +27,9 @@ from sidecar.errors import ConfigError
 from sidecar.server import Servers
 from tests.conftest import sidecar_settings
 from tests.fake_engine import FakeEngine
-from tests.test_cancel import (  # noqa: F401 - stall_monitor is the ``stalls`` fixture
+from tests.support import (
     CHAT,
     GUARD_S,
-    PHASES,
     WAIT_S,
     Stalls,
     disconnect_counts,
@@ -41,9 +40,9 @@ from tests.test_cancel import (  # noqa: F401 - stall_monitor is the ``stalls`` 
     request_body,
     samples,
     settle,
-    stall_monitor,
     upstream_closed,
 )
+from tests.test_cancel import PHASES
 from tests.test_logs import AccessLines, access_lines_handler  # noqa: F401 - fixture
 from tests.upstreams import refused_port
 

@@ -23,7 +23,7 @@ import asyncio
 import logging
 import time
 from collections import Counter
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from dataclasses import dataclass
 from functools import partial
 from itertools import pairwise
@@ -45,7 +45,7 @@ from sidecar.app import ABORT_DRAIN_S
 from sidecar.server import Servers
 from tests.conftest import sidecar_settings
 from tests.fake_engine import ABORT_PATH, ABORT_RESET, HANG_ABORT_PATH, FakeEngine
-from tests.test_cancel import (
+from tests.support import (
     API_KEY,
     CHAT,
     COMPLETIONS,
@@ -72,11 +72,6 @@ FAILING = "failing"  # the engine config whose abort endpoint misbehaves; chat i
 Values = dict[tuple[str, frozenset[tuple[str, str]]], float]
 
 
-@pytest.fixture(name="stalls")
-def stall_monitor() -> Iterator[Stalls]:
-    monitor = Stalls()
-    yield monitor
-    monitor.stop()
 
 
 @dataclass(frozen=True)

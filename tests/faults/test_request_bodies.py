@@ -27,7 +27,7 @@ from sidecar.server import Servers
 from tests import rawhttp
 from tests.conftest import sidecar_settings
 from tests.fake_engine import FakeEngine, Seen
-from tests.test_cancel import disconnect_counts, metrics, no_event, samples, settle
+from tests.support import disconnect_counts, metrics, no_event, samples, settle
 from tests.test_proxy import assert_openai_error
 
 pytestmark = pytest.mark.timeout(60)

@@ -30,7 +30,7 @@ from tests import rawhttp
 from tests.cli_process import cli_process, config_tree
 from tests.conftest import sidecar_settings
 from tests.fake_engine import FakeEngine, Flood, flood_sha256
-from tests.test_cancel import disconnect_counts, metrics, no_event, settle
+from tests.support import disconnect_counts, metrics, no_event, settle
 
 pytestmark = pytest.mark.timeout(120)
 

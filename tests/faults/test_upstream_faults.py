@@ -39,7 +39,7 @@ from sidecar.server import Servers
 from tests import rawhttp
 from tests.conftest import sidecar_settings
 from tests.fake_engine import ABORT_PATH, FakeEngine
-from tests.test_cancel import metrics, samples
+from tests.support import metrics, samples
 from tests.test_proxy import (
     GUARD_S,
     StartSidecar,

@@ -40,7 +40,7 @@ from tests.cli_process import config_tree
 from tests.fake_engine import FakeEngine, Generation, Seen
 from tests.load.common import chat_request, expected_stream, reset, size_from_env
 from tests.load.sidecar_process import SidecarProcess, sidecar_process
-from tests.test_cancel import metrics, sample
+from tests.support import metrics, sample
 
 pytestmark = [pytest.mark.load, pytest.mark.timeout(1800)]
 

@@ -41,7 +41,7 @@ from tests.load.common import (
 )
 from tests.load.engine_process import EngineProcess, engine_process
 from tests.load.sidecar_process import sidecar_process
-from tests.test_cancel import metrics, sample
+from tests.support import metrics, sample
 
 pytestmark = [pytest.mark.load, pytest.mark.timeout(300)]
 
