@@ -8,7 +8,9 @@ and function, and where issue 4's claims hold):
   protocol.py``), passed on as ``rid=request.rid``; absent, SGLang picks ``uuid4().hex``. So on
   those three routes the sidecar sets ``rid`` to its own id (a client's value is overwritten).
   With ``SGLANG_ENABLE_REQUEST_HEADER_OVERRIDES`` the header ``X-Override-Rid`` wins over the
-  body (``srt/entrypoints/request_headers.py``): the sidecar overwrites that header too.
+  body (``srt/entrypoints/request_headers.py``): the sidecar overwrites that header too. It also
+  sets ``X-Request-Id`` to its id, as for every kind: SGLang ignores it, but routers and access
+  logs in between see the id the client got back.
 - Ids per request, with ``{id}`` the sidecar id (``srt/managers/io_struct.py``,
   ``GenerateReqInput._determine_batch_size`` / ``_normalize_rid``): a single prompt runs as
   ``{id}``; a batch of B prompts (``text`` a list, ``input_ids`` a list of lists, an OpenAI
@@ -42,6 +44,7 @@ from sidecar.config import EngineKind, EngineSettings
 log = logging.getLogger(__name__)
 
 OVERRIDE_RID_HEADER = "X-Override-Rid"
+REQUEST_ID_HEADER = "X-Request-Id"
 # POST routes where SGLang reads ``rid`` from the body.
 GENERATE = "/generate"
 COMPLETIONS = "/v1/completions"
@@ -123,6 +126,7 @@ class SGLangAdapter(EngineAdapter):
     def tag(self, path: str, sidecar_id: str, headers: MutableMapping[str, str]) -> None:
         # Only read when SGLANG_ENABLE_REQUEST_HEADER_OVERRIDES is set; then it beats the body.
         headers[OVERRIDE_RID_HEADER] = sidecar_id
+        headers[REQUEST_ID_HEADER] = sidecar_id  # read by nothing in SGLang; for correlation
 
     def rewrites_body(self, method: str, path: str) -> bool:
         return method == "POST" and path in BODY_RID_ROUTES

@@ -92,10 +92,10 @@ def test_abort_endpoints_are_forbidden() -> None:
         ADAPTER.forbidden_paths())
 
 
-def test_tag_overwrites_the_override_header() -> None:
+def test_tag_overwrites_the_override_header_and_sets_the_request_id() -> None:
     headers = {"X-Override-Rid": "someone-else"}
     ADAPTER.tag("/generate", SID, headers)
-    assert headers == {"X-Override-Rid": SID}
+    assert headers == {"X-Override-Rid": SID, "X-Request-Id": SID}
 
 
 # -- adapter: property tests ------------------------------------------------------------------
