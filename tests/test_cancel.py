@@ -1,5 +1,7 @@
-"""Cancellation, end to end: a client that leaves gets its upstream connection closed and exactly
-its own engine request ids aborted, in every phase of the exchange.
+"""Cancellation, end to end, on the vLLM kind: sidecar request ids, client-chosen ids, a
+disconnect while the body is still being sent, disconnect metrics and the CLI's logs. The
+disconnect matrix (every phase, RST/FIN/half-close, every route) runs for every engine kind in
+:mod:`tests.test_cancel_every_kind`.
 
 Everything runs through the production wiring: :func:`sidecar.server.start` (the ``sidecar`` and
 ``start_sidecar`` fixtures, ``AppRunner`` with handler cancellation, what the CLI runs) and, in
@@ -20,7 +22,7 @@ import signal
 import sys
 import time
 from collections.abc import AsyncIterator, Callable
-from contextlib import asynccontextmanager, suppress
+from contextlib import asynccontextmanager
 from pathlib import Path
 from typing import Any
 
@@ -143,39 +145,6 @@ async def test_client_chosen_ids_never_reach_an_abort(engine: FakeEngine, sideca
 
 # -- disconnect in every phase ------------------------------------------------------------------
 
-@pytest.mark.parametrize("how", ["rst", "fin"])
-@pytest.mark.parametrize("phase", sorted(PHASES))
-@pytest.mark.parametrize("route", sorted(ROUTES))
-async def test_disconnect_closes_upstream_and_aborts_exact_ids(
-        engine: FakeEngine, sidecar: Servers, stalls: Stalls, route: str, phase: str,
-        how: str) -> None:
-    path, body, expected_ids = ROUTES[route]
-    query, stream, phase_label = PHASES[phase]
-    async with raw_client(sidecar.proxy_port, stalls) as c:
-        c.send("POST", path + query, request_body(body, stream), [("X-Request-Id", "client")])
-        client_id = None
-        if phase == "mid_stream":
-            status, head = await c.head()
-            assert status == 200, f"expected a 200 stream, got {status}"
-            client_id = head["X-Request-Id"]
-            await c.read_until(b"data:")
-        else:
-            await stalls.wait(engine.record.started_event.wait(), "the engine to start the request")
-        at = c.disconnect(how)
-        closed_at = await upstream_closed(engine, stalls)
-        ids, aborted_at = await one_abort(engine, stalls, sidecar.proxy_port)
-    engine_id = engine.record.generations[0].request_id
-    assert engine_id is not None and engine_id != "client", f"engine saw id {engine_id!r}"
-    if client_id is not None:
-        assert client_id == engine_id, f"client got id {client_id}, engine got {engine_id}"
-    assert ids == expected_ids(engine_id), f"expected {expected_ids(engine_id)}, got {ids}"
-    closed = stalls.check("the upstream close", at, closed_at)
-    latency = stalls.check("the abort", at, aborted_at)
-    print(f"[{route} {phase} {how}] upstream closed {ms(closed)}, abort {ms(latency)}"
-          f"{stalls.note(at, aborted_at)}")
-    counts = disconnect_counts(await metrics(sidecar.admin_port or 0))
-    assert counts == {("/", phase_label): 1}, f"expected one {phase_label} disconnect: {counts}"
-
 
 @pytest.mark.parametrize("how", ["rst", "fin"])
 @pytest.mark.parametrize("route", ["chat", "completions-3-prompts"])
@@ -230,97 +199,7 @@ async def test_aiohttp_client_closing_a_stream_aborts(engine: FakeEngine, sideca
     assert ids == [f"cmpl-{rid}-{i}" for i in range(3)], f"expected 3 ids for {rid}, got {ids}"
 
 
-async def test_aiohttp_client_cancelled_while_waiting_aborts(engine: FakeEngine,
-                                                             sidecar: Servers,
-                                                             stalls: Stalls) -> None:
-    async with aiohttp.ClientSession() as s:
-        task = asyncio.create_task(s.post(
-            f"http://127.0.0.1:{sidecar.proxy_port}{CHAT}?tokens=1000&interval=0.01",
-            json={"messages": [], "stream": False}))
-        await stalls.wait(engine.record.started_event.wait(), "the engine to start the request")
-        at = time.monotonic()
-        task.cancel()
-        with suppress(asyncio.CancelledError):
-            await task
-        closed_at = await upstream_closed(engine, stalls)
-        ids, aborted_at = await one_abort(engine, stalls, sidecar.proxy_port)
-    closed = stalls.check("the upstream close", at, closed_at)
-    latency = stalls.check("the abort", at, aborted_at)
-    print(f"[aiohttp cancel] upstream closed {ms(closed)}, abort {ms(latency)}"
-          f"{stalls.note(at, aborted_at)}")
-    engine_id = engine.record.generations[0].request_id
-    assert ids == [f"chatcmpl-{engine_id}"], f"expected chatcmpl-{engine_id}, got {ids}"
-
-
-# -- half-closed clients ------------------------------------------------------------------------
-
-@pytest.mark.parametrize("phase", ["queued", "mid_stream"])
-async def test_half_closed_client_counts_as_disconnected(engine: FakeEngine, sidecar: Servers,
-                                                         stalls: Stalls, phase: str) -> None:
-    """Policy: a client that shuts down its write side (``shutdown(SHUT_WR)``, a TCP FIN while
-    it still reads) is treated as disconnected: the upstream connection is closed, the engine
-    aborted, and the sidecar closes the client connection.
-
-    Why: aiohttp's server protocol returns ``None`` from ``eof_received``, so the transport
-    closes on a half-close and the handler is cancelled like on any lost connection. HTTP/1.1
-    allows a half-close after a complete request, but LLM clients do not use it, and serving
-    it would mean a FIN could never be told from a departed client, i.e. no cancellation for
-    the most common way clients leave.
-    """
-    query, stream, phase_label = PHASES[phase]
-    async with raw_client(sidecar.proxy_port, stalls) as c:
-        c.send("POST", CHAT + query, request_body({"messages": []}, stream))
-        if phase == "mid_stream":
-            await c.head()
-            await c.read_until(b"data:")
-        else:
-            await stalls.wait(engine.record.started_event.wait(), "the engine to start the request")
-        at = c.disconnect("half")
-        closed_at = await upstream_closed(engine, stalls)
-        ids, aborted_at = await one_abort(engine, stalls, sidecar.proxy_port)
-        rest = await stalls.wait(c.reader.read(), "EOF from the sidecar")
-        eof_at = time.monotonic()
-    closed = stalls.check("the upstream close", at, closed_at)
-    latency = stalls.check("the abort", at, aborted_at)
-    stalls.check("EOF from the sidecar", at, eof_at)
-    print(f"[half-close {phase}] upstream closed {ms(closed)}, abort {ms(latency)}, "
-          f"{len(rest)} more bytes then EOF{stalls.note(at, aborted_at)}")
-    assert b"[DONE]" not in rest, "the stream must not have completed"
-    engine_id = engine.record.generations[0].request_id
-    assert ids == [f"chatcmpl-{engine_id}"], f"expected chatcmpl-{engine_id}, got {ids}"
-    counts = disconnect_counts(await metrics(sidecar.admin_port or 0))
-    assert counts == {("/", phase_label): 1}, f"expected one {phase_label} disconnect: {counts}"
-
-
 # -- no abort when there is nothing to abort ----------------------------------------------------
-
-@pytest.mark.parametrize("how", ["rst", "fin"])
-@pytest.mark.parametrize("end", ["json", "stream-terminator", "stream-done"])
-async def test_client_leaving_right_after_the_end_costs_nothing(
-        engine: FakeEngine, sidecar: Servers, stalls: Stalls, end: str, how: str) -> None:
-    """``stream-done``: the client closes on ``data: [DONE]``, maybe before the sidecar has
-    relayed the chunked terminator; the engine is finished, so that is no disconnect either."""
-    stream = end != "json"
-    async with raw_client(sidecar.proxy_port, stalls) as c:
-        c.send("POST", f"{CHAT}?tokens=5&interval=0.001", request_body({"messages": []}, stream))
-        status, head = await c.head()
-        assert status == 200, f"expected 200, got {status}"
-        if stream:
-            assert head.get("Transfer-Encoding") == "chunked", head
-            await c.read_until(b"data: [DONE]\n\n")
-            if end == "stream-terminator":
-                await c.read_until(b"\r\n0\r\n\r\n")  # the chunked terminator: the end
-        else:
-            await stalls.wait(c.reader.readexactly(int(head["Content-Length"])), "the body")
-        c.disconnect(how)
-    assert await no_event(engine.record.abort_event), (
-        f"expected no abort after a complete response, got {engine.record.aborted_ids()}")
-    await settle(sidecar.proxy_port)
-    assert engine.record.aborts == [], f"expected no abort, got {engine.record.aborted_ids()}"
-    gen = engine.record.generations[0]
-    assert gen.finished and gen.closed_at is None, f"expected a finished generation: {gen}"
-    values = await metrics(sidecar.admin_port or 0)
-    assert disconnect_counts(values) == {}, f"no disconnect expected: {disconnect_counts(values)}"
 
 
 @pytest.mark.parametrize("how", ["rst", "fin"])

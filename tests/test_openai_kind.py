@@ -11,13 +11,11 @@ it. Helpers and the ``stalls`` fixture (time this process did not run is excused
 from __future__ import annotations
 
 import asyncio
-import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import aiohttp
-import openai
 import pytest
 import yaml
 
@@ -29,12 +27,10 @@ from tests.conftest import sidecar_settings
 from tests.fake_engine import FakeEngine
 from tests.support import (
     CHAT,
-    GUARD_S,
     WAIT_S,
     Stalls,
     disconnect_counts,
     metrics,
-    ms,
     no_event,
     raw_client,
     request_body,
@@ -42,7 +38,6 @@ from tests.support import (
     settle,
     upstream_closed,
 )
-from tests.test_cancel import PHASES
 from tests.test_logs import AccessLines, access_lines_handler  # noqa: F401 - fixture
 from tests.upstreams import refused_port
 
@@ -77,29 +72,6 @@ async def assert_nothing_aborted(engine: FakeEngine, servers: Servers) -> None:
 
 
 # -- a disconnect closes the upstream connection and calls nothing ------------------------------
-
-@pytest.mark.parametrize("how", ["rst", "fin"])
-@pytest.mark.parametrize("phase", sorted(PHASES))
-async def test_disconnect_closes_upstream_and_aborts_nothing(
-        engine: FakeEngine, start_sidecar: Callable[..., Any], stalls: Stalls, phase: str,
-        how: str) -> None:
-    servers = await start(start_sidecar, engine)
-    query, stream, phase_label = PHASES[phase]
-    async with raw_client(servers.proxy_port, stalls) as c:
-        c.send("POST", CHAT + query, request_body(BODY, stream))
-        if phase == "mid_stream":
-            status, _ = await c.head()
-            assert status == 200, f"expected a 200 stream, got {status}"
-            await c.read_until(b"data:")
-        else:
-            await stalls.wait(engine.record.started_event.wait(), "the server to start the request")
-        at = c.disconnect(how)
-        closed_at = await upstream_closed(engine, stalls)
-    closed = stalls.check("the upstream close", at, closed_at, GUARD_S)
-    print(f"[openai {phase} {how}] upstream closed {ms(closed)}{stalls.note(at, closed_at)}")
-    await assert_nothing_aborted(engine, servers)
-    counts = disconnect_counts(await metrics(servers.admin_port or 0))
-    assert counts == {("/", phase_label): 1}, f"expected one {phase_label} disconnect: {counts}"
 
 
 async def test_access_line_says_disconnected_and_nothing_aborted(
@@ -144,29 +116,6 @@ async def test_completed_stream_is_byte_identical_and_tagged(
     assert all(g.finished and g.closed_at is None for g in engine.record.generations)
     await assert_nothing_aborted(engine, servers)
     assert disconnect_counts(await metrics(servers.admin_port or 0)) == {}
-
-
-async def test_openai_sdk_closing_a_stream_closes_upstream(
-        engine: FakeEngine, start_sidecar: Callable[..., Any], stalls: Stalls) -> None:
-    """What users of such servers run: the openai SDK streams, reads one chunk, closes."""
-    servers = await start(start_sidecar, engine)
-    client = openai.AsyncOpenAI(base_url=f"http://127.0.0.1:{servers.proxy_port}/v1",
-                                api_key="unused", max_retries=0, timeout=WAIT_S)
-    async with client:
-        stream = await client.chat.completions.create(
-            model="fake", messages=[{"role": "user", "content": "hi"}], stream=True,
-            extra_query={"tokens": 1000, "interval": 0.01})
-        first = await stalls.wait(anext(aiter(stream)), "the first chunk through the SDK")
-        assert first.id == engine.record.generations[0].request_id, (
-            f"expected the chunk the server wrote, got {first}")
-        at = time.monotonic()
-        await stream.close()
-        closed_at = await upstream_closed(engine, stalls)
-    closed = stalls.check("the upstream close", at, closed_at, GUARD_S)
-    print(f"[openai SDK close] upstream closed {ms(closed)}")
-    await assert_nothing_aborted(engine, servers)
-    counts = disconnect_counts(await metrics(servers.admin_port or 0))
-    assert counts == {("/", "streaming"): 1}, f"expected one streaming disconnect: {counts}"
 
 
 # -- /readyz: only the health path, never an abort probe ----------------------------------------
