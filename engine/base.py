@@ -12,6 +12,11 @@ An adapter answers three questions for the proxy, all pure functions of the requ
    ``openai`` kind) names no engine ids, so nothing is ever aborted and a disconnect only closes
    the upstream connection; ``/readyz`` then probes no abort endpoint.
 
+A request on a generating route that names no ids although its kind aborts is asked one more
+question, only when it ends early (cold path): :meth:`EngineAdapter.unabortable`, the
+:class:`Unabortable` reason the engine runs it under ids the sidecar cannot know. The proxy
+counts it in ``cancel_sidecar_unabortable_requests_total{engine, reason}``.
+
 The proxy owns all network I/O; adapters never touch a socket, so each can be tested exhaustively
 (and property-tested) on its own.
 """
@@ -19,6 +24,7 @@ The proxy owns all network I/O; adapters never touch a socket, so each can be te
 from __future__ import annotations
 
 import abc
+import enum
 import json
 from collections.abc import MutableMapping
 from dataclasses import dataclass
@@ -46,6 +52,34 @@ def with_field(body: bytes, name: str, value: Any) -> bytes | None:
         return None
     parsed[name] = value
     return json.dumps(parsed, separators=(",", ":")).encode()
+
+
+class Unabortable(enum.StrEnum):
+    """Why a request that ended early got no abort call although its engine aborts by id: the
+    engine runs it under ids the sidecar cannot know, so only its upstream connection was
+    closed. The value is the ``reason`` label of ``cancel_sidecar_unabortable_requests_total``;
+    the set is fixed (low cardinality) and each value is documented in README's metrics list."""
+
+    # SGLang gives each of n > 1 samples (and the prefix warm-up run) a fresh uuid4 rid.
+    SGLANG_N_SAMPLES = "sglang_n_samples"
+    # vLLM beam search submits ``{base}-{random}-beam-{k}`` per step (use_beam_search: true).
+    VLLM_BEAM_SEARCH = "vllm_beam_search"
+    # A body-rewriting route (SGLang ``rid``, vLLM ``/v1/responses``) got a body over
+    # ``upstream.replay_buffer_bytes``: relayed unrewritten, so the engine picked the id.
+    BODY_OVER_REPLAY_BUFFER = "body_over_replay_buffer"
+
+    @property
+    def why(self) -> str:
+        """One clause for a log line."""
+        return _WHY[self]
+
+
+_WHY = {
+    Unabortable.SGLANG_N_SAMPLES: "SGLang runs n > 1 samples under fresh random rids",
+    Unabortable.VLLM_BEAM_SEARCH: "vLLM beam search runs under random ids",
+    Unabortable.BODY_OVER_REPLAY_BUFFER: "its body was over upstream.replay_buffer_bytes, "
+                                         "not rewritten, so the engine picked its own id",
+}
 
 
 @dataclass(frozen=True, slots=True)
@@ -119,6 +153,14 @@ class EngineAdapter(abc.ABC):
         :meth:`wants_body` said so (``None`` if it was too large to keep). Never raises on a
         malformed body: the engine rejects such a body itself, so a best-effort answer is fine.
         """
+
+    def unabortable(self, method: str, path: str, body: bytes | None) -> Unabortable | None:
+        """For a request that ended early and got no ids from :meth:`engine_request_ids`: the
+        reason its engine may still run it under ids the sidecar cannot know, or ``None`` (the
+        route generates nothing, or the kind never aborts: ``openai`` is close-only by its
+        configuration, already visible as its kind). ``body`` as for :meth:`engine_request_ids`.
+        Cold path: called only on an early end. Never raises on a malformed body."""
+        return None
 
     @abc.abstractmethod
     def abort_call(self, ids: tuple[str, ...]) -> AbortCall:

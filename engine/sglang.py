@@ -19,8 +19,9 @@ and function, and where issue 4's claims hold):
   before them, gets a fresh ``uuid4().hex`` (``srt/managers/tokenizer_manager.py``,
   ``_handle_batch_request`` -> ``regenerate_rid``), and the ``{id}_{i}`` states are dropped
   before the samples start. No id the sidecar knows reaches them: such a request is not
-  aborted by id; the sidecar closes its upstream (SGLang's own disconnect check may then abort
-  it) and logs a warning with the request id.
+  aborted by id (:meth:`SGLangAdapter.unabortable`: ``sglang_n_samples``); when it ends early
+  the sidecar closes its upstream (SGLang's own disconnect check may then abort it), logs a
+  warning with the request id and counts it in ``cancel_sidecar_unabortable_requests_total``.
 - ``POST /abort_request`` takes ``{"rid": str, "abort_all": bool}`` (``AbortReq``) and answers
   200 whatever the id. ``TokenizerManager.abort_request`` drops an empty rid, and with one
   tokenizer worker drops a rid that is not exactly a live request's; otherwise the scheduler
@@ -38,7 +39,7 @@ import logging
 from collections.abc import MutableMapping
 from typing import Any
 
-from engine.base import AbortCall, EngineAdapter, parse_json, with_field
+from engine.base import AbortCall, EngineAdapter, Unabortable, parse_json, with_field
 from sidecar.config import EngineKind, EngineSettings
 
 log = logging.getLogger(__name__)
@@ -120,8 +121,9 @@ class SGLangAdapter(EngineAdapter):
         super().__init__(name, settings)
         log.warning("engine %s (sglang): requests with n > 1 cannot be aborted by id (SGLang "
                     "gives each sample a fresh random rid); on a disconnect only their upstream "
-                    "is closed. Routes other than %s are not tagged and are not aborted by id",
-                    name, ", ".join(sorted(BODY_RID_ROUTES)))
+                    "is closed, counted in cancel_sidecar_unabortable_requests_total"
+                    "{reason=\"sglang_n_samples\"}. Routes other than %s are not tagged and "
+                    "are not aborted by id", name, ", ".join(sorted(BODY_RID_ROUTES)))
 
     def tag(self, path: str, sidecar_id: str, headers: MutableMapping[str, str]) -> None:
         # Only read when SGLANG_ENABLE_REQUEST_HEADER_OVERRIDES is set; then it beats the body.
@@ -146,15 +148,18 @@ class SGLangAdapter(EngineAdapter):
         if not self.rewrites_body(method, path):
             return ()
         parsed = parse_json(body)
-        n = samples(path, parsed)
-        if n > 1:
-            log.warning("request %s: n=%d samples run under fresh SGLang rids; not aborted by "
-                        "id, only its upstream is closed", sidecar_id, n)
-            return ()
+        if samples(path, parsed) > 1:
+            return ()  # fresh random rids: see unabortable
         size = batch_size(path, parsed)
         if size is None:
             return (sidecar_id,)
         return tuple(f"{sidecar_id}_{i}" for i in range(size))
+
+    def unabortable(self, method: str, path: str, body: bytes | None) -> Unabortable | None:
+        """``sglang_n_samples`` for ``n > 1`` on a route that takes ``rid`` from the body."""
+        if self.rewrites_body(method, path) and samples(path, parse_json(body)) > 1:
+            return Unabortable.SGLANG_N_SAMPLES
+        return None
 
     def abort_call(self, ids: tuple[str, ...]) -> AbortCall:
         """``POST <abort path>`` with ``{"rid": id}``: exactly one non-empty id (an empty rid

@@ -32,6 +32,15 @@ Facts (vLLM 0.32, read in the installed source and proven on a real engine by ``
   turn number), so the sidecar overwrites that field with ``resp_{id}``; built-in tool turns after
   the first (``_1``, ...) are not named. Not abortable by id: beam search (vLLM adds random
   suffixes), ``/v1/realtime``; the upstream close is all the sidecar can do for them.
+- Beam search (``"use_beam_search": true`` on ``/v1/completions`` and ``/v1/chat/completions``,
+  also through ``/invocations``) submits ``{base}-{random}-beam-{k}`` per step
+  (``generate/beam_search/online.py``, ``beam_search``; ``tests/e2e/VLLM_FACTS_CHECKED.md``):
+  such a request names no ids, so no abort call is made for it (it would be a no-op), and
+  :meth:`VLLMAdapter.unabortable` says ``vllm_beam_search``. It is detected from the body copy:
+  on ``/v1/chat/completions`` the copy is dropped once the response head arrives (the route
+  needs no body for its id), so a streamed chat beam search that ends after its head is
+  aborted as ``chatcmpl-{id}`` (a no-op) and not counted; a non-streaming one gets its head
+  only with the whole response, so it is always detected.
 - The abort endpoint exists only when vLLM runs with ``--enable-scale-out``; otherwise it answers
   403. It answers 200 at once and ignores unknown ids. It is guarded by ``--api-key``.
 - Never send an empty id list: the dev-mode route ``/abort_requests`` reads that as "abort all".
@@ -44,7 +53,7 @@ from __future__ import annotations
 from collections.abc import Callable, MutableMapping
 from typing import Any
 
-from engine.base import AbortCall, EngineAdapter, parse_json, with_field
+from engine.base import AbortCall, EngineAdapter, Unabortable, parse_json, with_field
 from sidecar.config import EngineKind
 
 REQUEST_ID_HEADER = "X-Request-Id"
@@ -121,6 +130,17 @@ ROUTES: dict[str, tuple[bool, IdRule]] = {
 }
 
 RESPONSES_PATH = "/v1/responses"
+# Routes whose body may ask for beam search (ChatCompletionRequest, CompletionRequest).
+BEAM_SEARCH_ROUTES = frozenset({"/v1/completions", "/v1/chat/completions", "/invocations"})
+
+
+def beam_search(path: str, body: bytes | None) -> bool:
+    """True if ``body`` (the request body copy, ``None`` if not kept) asks vLLM for beam search
+    on ``path``. A substring test first: most bodies are never parsed here."""
+    if path not in BEAM_SEARCH_ROUTES or body is None or b"use_beam_search" not in body:
+        return False
+    parsed = parse_json(body)
+    return isinstance(parsed, dict) and parsed.get("use_beam_search") is True
 
 
 class VLLMAdapter(EngineAdapter):
@@ -143,9 +163,15 @@ class VLLMAdapter(EngineAdapter):
         self, method: str, path: str, sidecar_id: str, body: bytes | None
     ) -> tuple[str, ...]:
         rule = ROUTES.get(path) if method == "POST" else None
-        if rule is None:
+        if rule is None or beam_search(path, body):
             return ()
         return rule[1](sidecar_id, parse_json(body) if rule[0] else None)
+
+    def unabortable(self, method: str, path: str, body: bytes | None) -> Unabortable | None:
+        """``vllm_beam_search`` for a body that asks for beam search (see the module notes)."""
+        if method == "POST" and beam_search(path, body):
+            return Unabortable.VLLM_BEAM_SEARCH
+        return None
 
     def rewrites_body(self, method: str, path: str) -> bool:
         return method == "POST" and path == RESPONSES_PATH

@@ -250,8 +250,10 @@ class Aborter:
     def _drop(self, queue: _Queue, request: _Request) -> None:
         engine = queue.engine
         log.warning("request %s: abort queue of engine %s is full (%d ids waiting for one of %d "
-                    "calls in flight); %d id(s) not aborted", request.sidecar_id, engine.name,
-                    queue.waiting_ids, queue.in_flight, request.unsent)
+                    "calls in flight); %d id(s) not aborted, counted in "
+                    "cancel_sidecar_aborted_requests_total{outcome=\"dropped\"}",
+                    request.sidecar_id, engine.name, queue.waiting_ids, queue.in_flight,
+                    request.unsent)
         request.unsent = 0
         if request.settle("dropped"):
             self._finish(engine, request)

@@ -58,6 +58,14 @@ class Metrics:
             "timeout, error; dropped: the engine's abort queue was full, never sent; cancelled: "
             "the sidecar stopped first).",
             ["engine", "outcome"], registry=registry)
+        self.unabortable = Counter(
+            "cancel_sidecar_unabortable_requests_total",
+            "Requests that ended early (client disconnect, cancel API, deadline, shutdown, "
+            "upstream timeout) after the engine had them whole, at an engine that aborts by id, "
+            "while it may still run them under ids the sidecar cannot know: no abort call, "
+            "only the upstream connection closed. By engine and reason (sglang_n_samples, "
+            "vllm_beam_search, body_over_replay_buffer). Kind openai (close-only) never counts.",
+            ["engine", "reason"], registry=registry)
         self.abort_latency = Histogram(
             "cancel_sidecar_abort_latency_seconds",
             "Per aborted request: time from the sidecar noticing its client's disconnect to the "

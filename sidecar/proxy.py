@@ -41,6 +41,7 @@ import aiohttp
 from aiohttp import web
 from multidict import CIMultiDict
 
+from engine import EngineAdapter, Unabortable
 from sidecar.abort import Aborter
 from sidecar.config import MAX_SECONDS
 from sidecar.errors import (
@@ -133,6 +134,7 @@ class Exchange:
         self.metrics = metrics
         self.id = uuid.uuid4().hex
         self.body: RequestBody | None = None
+        self.body_unrewritten = False  # over replay_buffer_bytes on a body-rewriting route
         self.upstream: aiohttp.ClientResponse | None = None
         self.upstream_finished = False  # engine sent its whole response, or the hop failed
         self.saw_done_event = False  # the last chunk relayed ended with ``data: [DONE]``
@@ -236,7 +238,8 @@ class Exchange:
         """Read the body whole (up to ``limit`` bytes) and let the engine adapter rewrite it.
 
         A larger body is relayed unchanged after what was read: the engine then picks its own
-        request id, so this request cannot be aborted by id (logged). Raises
+        request id, so this request cannot be aborted by id (logged; on an early end counted as
+        ``body_over_replay_buffer``, see :meth:`_stop`). Raises
         :class:`~sidecar.errors.DownstreamError` if the body breaks a ``downstream`` limit.
         """
         request = self.request
@@ -248,7 +251,10 @@ class Exchange:
             size += len(chunk)
         if not request.content.at_eof():
             log.warning("request %s: body over %d bytes not rewritten; the engine picks its own "
-                        "request id and cannot be aborted", self.id, limit)
+                        "request id and cannot be aborted by id (if it ends early: counted in "
+                        "cancel_sidecar_unabortable_requests_total{reason=\"%s\"})", self.id,
+                        limit, Unabortable.BODY_OVER_REPLAY_BUFFER)
+            self.body_unrewritten = True
             return RequestBody(request.content, limit, chunks, limits)
         body = b"".join(chunks)
         new = self.target.rewrite_body(request.method, request.path, self.id, body)
@@ -272,7 +278,6 @@ class Exchange:
 
     def _stop(self, reason: str, *, disconnect: bool) -> None:
         noticed_at = time.monotonic()
-        request = self.request
         body = self.body.copy() if self.body else None
         phase = self.phase = self._phase(body)
         if disconnect:
@@ -282,7 +287,7 @@ class Exchange:
             # One call per abort engine (routes[].abort), queued in this same loop turn: the
             # engines' calls run concurrently, each with the ids its own kind derives.
             for engine in self.target.aborts:
-                ids = engine.engine_request_ids(request.method, request.path, self.id, body)
+                ids = self._engine_ids(engine, body)
                 if ids:
                     self.aborter.abort(engine, ids, self.id, noticed_at, self.access)
                     aborting += len(ids)
@@ -291,6 +296,27 @@ class Exchange:
         self.upstream_finished = True
         log.info("request %s: %s during %s; upstream closed, %s", self.id, reason, phase,
                  f"aborting {aborting} engine id(s)" if aborting else "nothing to abort")
+
+    def _engine_ids(self, engine: EngineAdapter, body: bytes | None) -> tuple[str, ...]:
+        """The ids to abort at ``engine``; none, counted and logged, if the engine may still run
+        the request under ids the sidecar cannot know (``Unabortable``). ``body``: the kept
+        copy. An engine that never aborts (kind ``openai``) is close-only by its configuration
+        and is never counted."""
+        method, path = self.request.method, self.request.path
+        if self.body_unrewritten and engine.rewrites_body(method, path):
+            reason: Unabortable | None = Unabortable.BODY_OVER_REPLAY_BUFFER
+        else:
+            ids = engine.engine_request_ids(method, path, self.id, body)
+            if ids or not engine.aborts:
+                return ids
+            reason = engine.unabortable(method, path, body)
+        if reason is None:
+            return ()
+        self.metrics.unabortable.labels(engine.name, reason).inc()
+        log.warning("request %s: engine %s cannot be told to stop it by id (%s); only its "
+                    "upstream is closed; counted in cancel_sidecar_unabortable_requests_total"
+                    "{reason=\"%s\"}", self.id, engine.name, reason.why, reason)
+        return ()
 
     def _phase(self, body: bytes | None) -> str:
         """Where the request was when it stopped: ``request_body`` (the engine never had all of

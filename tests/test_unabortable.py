@@ -1,0 +1,328 @@
+"""``cancel_sidecar_unabortable_requests_total{engine, reason}``: a request that ends early while
+its engine runs it under ids the sidecar cannot know is counted once, by reason, its upstream is
+closed and no abort call is made for it; a request that completes, an abortable request and a
+close-only (``openai``) engine are never counted.
+
+Production wiring (``tests/conftest.py``: ``server.start``, uvloop) against the real fakes on
+127.0.0.1: ``tests/fake_sglang.py`` (SGLang's ``rid`` and fresh-rid-per-sample behaviour) and
+``tests/fake_engine.py`` (vLLM). The counter is read from the admin listener's ``/metrics`` with
+prometheus_client's parser. Helpers are local to this module on purpose: the shared ones are
+being moved (``tests/support.py``).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+from collections.abc import AsyncIterator, Callable
+from typing import Any
+
+import aiohttp
+import pytest
+import pytest_asyncio
+from prometheus_client import CollectorRegistry
+from prometheus_client.parser import text_string_to_metric_families
+
+from engine import Unabortable, build_adapters
+from sidecar.config import EngineSettings, Settings
+from sidecar.server import Servers
+from tests.conftest import sidecar_settings
+from tests.fake_engine import FakeEngine
+from tests.fake_sglang import FakeSGLang
+
+pytestmark = pytest.mark.timeout(60)
+
+METRIC = "cancel_sidecar_unabortable_requests_total"
+GUARD_S = 5.0  # any awaited event must arrive within this
+QUIET_S = 0.5  # how long an abort call that must NOT come is waited for
+SMALL_BUFFER = 1024  # upstream.replay_buffer_bytes for the over-the-buffer tests
+# A body field that puts a body over SMALL_BUFFER for certain: the body is relayed unrewritten
+# only if it is not complete once SMALL_BUFFER bytes are read, and aiohttp stops reading a socket
+# past ~128 KiB buffered (plus one socket read, at most 256 KiB with uvloop), so 768 KiB can
+# never be read in one go. (The fakes take bodies up to aiohttp's default 1 MiB.)
+PAD = "x" * (768 << 10)
+SID = "0123456789abcdef0123456789abcdef"
+
+
+# -- helpers ------------------------------------------------------------------------------------
+
+@pytest_asyncio.fixture
+async def sglang() -> AsyncIterator[FakeSGLang]:
+    fake = FakeSGLang()
+    await fake.start()
+    yield fake
+    await fake.stop()
+
+
+def sglang_config(url: str, **overrides: Any) -> Settings:
+    # A short grace: a failing test leaves a stream open, and teardown should not wait 30 s.
+    return sidecar_settings(url, engines={"local": {"kind": "sglang", "url": url,
+                                                    "abort": {"timeout_s": 2.0}}},
+                            lifecycle={"grace_period_s": 1.0}, **overrides)
+
+
+async def post(port: int, path: str, body: dict[str, Any], query: str = "",
+               extra_headers: str = "") -> tuple[asyncio.StreamReader, asyncio.StreamWriter]:
+    """Send one POST on a raw socket (so the test can reset it) and return the stream pair."""
+    raw = json.dumps(body).encode()
+    reader, writer = await asyncio.open_connection("127.0.0.1", port)
+    writer.write(f"POST {path}{query} HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                 f"{extra_headers}Content-Length: {len(raw)}\r\n\r\n".encode() + raw)
+    await writer.drain()
+    return reader, writer
+
+
+async def counted(admin_port: int | None) -> dict[tuple[str, str], float]:
+    """The counter's non-zero samples on ``/metrics``: (engine, reason) -> value."""
+    async with aiohttp.ClientSession() as session:
+        async with session.get(f"http://127.0.0.1:{admin_port}/metrics") as resp:
+            assert resp.status == 200, f"GET /metrics: expected 200, got {resp.status}"
+            text = await resp.text()
+    return {(s.labels["engine"], s.labels["reason"]): s.value
+            for family in text_string_to_metric_families(text) for s in family.samples
+            if s.name == METRIC and s.value}
+
+
+async def quiet(event: asyncio.Event) -> bool:
+    """True if ``event`` stays unset for ``QUIET_S``."""
+    try:
+        await asyncio.wait_for(event.wait(), QUIET_S)
+    except TimeoutError:
+        return True
+    return False
+
+
+async def disconnect_mid_stream(reader: asyncio.StreamReader, writer: asyncio.StreamWriter,
+                                closed: asyncio.Event) -> None:
+    """Read the first SSE event, reset the connection, wait for the engine to see its close."""
+    async with asyncio.timeout(GUARD_S):
+        await reader.readuntil(b"data:")
+    writer.transport.abort()
+    async with asyncio.timeout(GUARD_S):
+        await closed.wait()
+
+
+# -- adapters: the reason, and no ids for it ------------------------------------------------------
+
+def adapter(kind: str) -> Any:
+    settings = EngineSettings.model_validate({"kind": kind, "url": "http://127.0.0.1:1"})
+    return build_adapters({"local": settings})["local"]
+
+
+@pytest.mark.parametrize(("kind", "path", "body", "reason"), [
+    ("sglang", "/v1/chat/completions", {"messages": [], "n": 2}, Unabortable.SGLANG_N_SAMPLES),
+    ("sglang", "/v1/completions", {"prompt": ["a", "b"], "n": 3}, Unabortable.SGLANG_N_SAMPLES),
+    ("sglang", "/generate", {"text": "x", "sampling_params": {"n": 2}},
+     Unabortable.SGLANG_N_SAMPLES),
+    ("sglang", "/generate", {"text": "x", "sampling_params": {"n": 1}}, None),
+    ("sglang", "/v1/chat/completions", {"messages": []}, None),
+    ("vllm", "/v1/completions", {"prompt": "x", "use_beam_search": True},
+     Unabortable.VLLM_BEAM_SEARCH),
+    ("vllm", "/v1/chat/completions", {"messages": [], "use_beam_search": True},
+     Unabortable.VLLM_BEAM_SEARCH),
+    ("vllm", "/invocations", {"messages": [], "use_beam_search": True},
+     Unabortable.VLLM_BEAM_SEARCH),
+    ("vllm", "/v1/completions", {"prompt": "x", "use_beam_search": False}, None),
+    ("vllm", "/v1/completions", {"prompt": "x", "use_beam_search": "yes"}, None),
+    ("vllm", "/v1/responses", {"input": "use_beam_search", "use_beam_search": True}, None),
+    ("openai", "/v1/chat/completions", {"messages": [], "n": 2, "use_beam_search": True},
+     None),
+])
+def test_adapter_reason_and_no_ids(kind: str, path: str, body: dict[str, Any],
+                                   reason: Unabortable | None) -> None:
+    raw = json.dumps(body).encode()
+    built = adapter(kind)
+    got = built.unabortable("POST", path, raw)
+    assert got == reason, f"{kind} {path} {body}: expected reason {reason}, got {got}"
+    ids = built.engine_request_ids("POST", path, SID, raw)
+    if reason is not None:
+        assert ids == (), f"{kind} {path}: an unabortable request must name no ids, got {ids}"
+
+
+def test_adapter_reason_never_raises_on_bad_bodies() -> None:
+    for kind in ("vllm", "sglang", "openai"):
+        built = adapter(kind)
+        for raw in (None, b"", b"not json", b'"use_beam_search"', b"[1]", b'{"n": 2'):
+            assert built.unabortable("POST", "/v1/completions", raw) is None, (kind, raw)
+        assert built.unabortable("GET", "/v1/completions", b'{"n": 2}') is None, kind
+
+
+# -- each reason: counted once on the early end, upstream closed, no abort call -------------------
+
+@pytest.mark.parametrize(("path", "body"), [
+    ("/v1/chat/completions", {"messages": [], "n": 2, "stream": True}),
+    ("/v1/completions", {"prompt": "x", "n": 2, "stream": True}),
+    ("/generate", {"text": "x", "sampling_params": {"n": 3}, "stream": True}),
+])
+async def test_sglang_n_samples_disconnect_is_counted_not_aborted(
+        sglang: FakeSGLang, start_sidecar: Callable[..., Any], path: str,
+        body: dict[str, Any], caplog: pytest.LogCaptureFixture) -> None:
+    caplog.set_level(logging.WARNING, logger="sidecar.proxy")
+    sidecar: Servers = await start_sidecar(sglang_config(sglang.url))
+    reader, writer = await post(sidecar.proxy_port, path, body, "?tokens=100000")
+    await disconnect_mid_stream(reader, writer, sglang.record.closed_event)
+    assert await quiet(sglang.record.abort_event), (
+        f"expected no abort call for n > 1, got {sglang.record.abort_calls}")
+    assert sorted(sglang.record.closed) == sorted(sglang.record.rids[0]), (
+        "expected the upstream connection of every sample closed")
+    got = await counted(sidecar.admin_port)
+    assert got == {("local", "sglang_n_samples"): 1.0}, f"expected one count, got {got}"
+    warned = [r.getMessage() for r in caplog.records
+              if r.name == "sidecar.proxy" and r.levelno == logging.WARNING]
+    assert len(warned) == 1 and METRIC in warned[0] and "sglang_n_samples" in warned[0], (
+        f"expected one WARNING naming the metric and reason, got {warned}")
+
+
+async def test_sglang_body_over_replay_buffer_disconnect_is_counted_not_aborted(
+        sglang: FakeSGLang, start_sidecar: Callable[..., Any]) -> None:
+    """Relayed unrewritten: SGLang runs it under the client's own rid, which the sidecar never
+    names (before this counter it sent an abort for its own id, which matched nothing)."""
+    sidecar: Servers = await start_sidecar(sglang_config(
+        sglang.url, upstream={"replay_buffer_bytes": SMALL_BUFFER}))
+    body = {"messages": [], "stream": True, "rid": "client-rid", "pad": PAD}
+    reader, writer = await post(sidecar.proxy_port, "/v1/chat/completions", body,
+                                "?tokens=100000")
+    await disconnect_mid_stream(reader, writer, sglang.record.closed_event)
+    assert sglang.record.rids == [["client-rid"]], (
+        f"expected the body relayed unrewritten, engine ran {sglang.record.rids}")
+    assert await quiet(sglang.record.abort_event), (
+        f"expected no abort call, got {sglang.record.abort_calls}")
+    assert sglang.record.closed == ["client-rid"], "expected the upstream connection closed"
+    got = await counted(sidecar.admin_port)
+    assert got == {("local", "body_over_replay_buffer"): 1.0}, f"expected one count, got {got}"
+
+
+async def test_vllm_responses_body_over_replay_buffer_disconnect_is_counted_not_aborted(
+        engine: FakeEngine, start_sidecar: Callable[..., Any]) -> None:
+    """vLLM ``/v1/responses`` takes its id from the body: unrewritten, vLLM picks it."""
+    sidecar: Servers = await start_sidecar(sidecar_settings(
+        engine.url, upstream={"replay_buffer_bytes": SMALL_BUFFER}))
+    body = {"input": "hi", "stream": True, "request_id": "client-chosen", "pad": PAD}
+    reader, writer = await post(sidecar.proxy_port, "/v1/responses", body, "?tokens=100000")
+    await disconnect_mid_stream(reader, writer, engine.record.closed_event)
+    (gen,) = engine.record.generations
+    assert gen.body["request_id"] == "client-chosen", "expected the body relayed unrewritten"
+    assert gen.closed_at is not None, "expected the upstream connection closed"
+    assert await quiet(engine.record.abort_event), (
+        f"expected no abort call, got {engine.record.aborted_ids()}")
+    got = await counted(sidecar.admin_port)
+    assert got == {("local", "body_over_replay_buffer"): 1.0}, f"expected one count, got {got}"
+
+
+@pytest.mark.parametrize(("path", "body"), [
+    ("/v1/completions", {"prompt": "x", "use_beam_search": True, "stream": True}),
+    ("/v1/chat/completions", {"messages": [], "use_beam_search": True}),  # non-streaming
+])
+async def test_vllm_beam_search_disconnect_is_counted_not_aborted(
+        engine: FakeEngine, start_sidecar: Callable[..., Any], path: str,
+        body: dict[str, Any]) -> None:
+    sidecar: Servers = await start_sidecar(sidecar_settings(engine.url))
+    reader, writer = await post(sidecar.proxy_port, path, body, "?tokens=100000")
+    if body.get("stream"):
+        await disconnect_mid_stream(reader, writer, engine.record.closed_event)
+    else:  # awaiting the response: vLLM sends the head only with the whole of it
+        async with asyncio.timeout(GUARD_S):
+            await engine.record.started_event.wait()
+        writer.transport.abort()
+        async with asyncio.timeout(GUARD_S):
+            await engine.record.closed_event.wait()
+    assert await quiet(engine.record.abort_event), (
+        f"expected no abort call for beam search, got {engine.record.aborted_ids()}")
+    got = await counted(sidecar.admin_port)
+    assert got == {("local", "vllm_beam_search"): 1.0}, f"expected one count, got {got}"
+
+
+async def test_deadline_end_is_counted_like_a_disconnect(
+        sglang: FakeSGLang, start_sidecar: Callable[..., Any]) -> None:
+    """The sidecar's own early end (here the deadline; the cancel API and a shutdown take the
+    same path, ``Exchange.cancel``) counts too: the client stays connected."""
+    sidecar: Servers = await start_sidecar(sglang_config(sglang.url))
+    url = f"http://127.0.0.1:{sidecar.proxy_port}/v1/chat/completions?tokens=100000"
+    async with aiohttp.ClientSession() as session, asyncio.timeout(GUARD_S):
+        async with session.post(url, json={"messages": [], "n": 2, "stream": True},
+                                headers={"X-Sidecar-Deadline-S": "0.3"}) as resp:
+            text = await resp.text()
+    assert '"deadline_exceeded"' in text, f"expected the SSE deadline event, got {text[-200:]!r}"
+    async with asyncio.timeout(GUARD_S):
+        await sglang.record.closed_event.wait()
+    assert await quiet(sglang.record.abort_event), sglang.record.abort_calls
+    got = await counted(sidecar.admin_port)
+    assert got == {("local", "sglang_n_samples"): 1.0}, f"expected one count, got {got}"
+
+
+async def test_shutdown_end_is_counted(
+        sglang: FakeSGLang, start_sidecar: Callable[..., Any]) -> None:
+    """A stop that cancels a straggler after the grace period counts it too (read from the
+    registry: the admin listener is gone by then)."""
+    registry = CollectorRegistry()
+    sidecar: Servers = await start_sidecar(sglang_config(sglang.url), registry)
+    reader, writer = await post(sidecar.proxy_port, "/generate",
+                                {"text": "x", "sampling_params": {"n": 2}, "stream": True},
+                                "?tokens=100000")
+    async with asyncio.timeout(GUARD_S):
+        await reader.readuntil(b"data:")
+        await sidecar.stop(grace_s=0.1)
+        await sglang.record.closed_event.wait()
+    writer.close()
+    assert await quiet(sglang.record.abort_event), sglang.record.abort_calls
+    got = registry.get_sample_value(METRIC, {"engine": "local", "reason": "sglang_n_samples"})
+    assert got == 1.0, f"expected one count after the shutdown, got {got}"
+
+
+# -- never counted --------------------------------------------------------------------------------
+
+async def test_completed_n_samples_request_is_not_counted(
+        sglang: FakeSGLang, start_sidecar: Callable[..., Any]) -> None:
+    """Counted on the early end only: a request that completes wasted nothing."""
+    sidecar: Servers = await start_sidecar(sglang_config(sglang.url))
+    url = f"http://127.0.0.1:{sidecar.proxy_port}/v1/chat/completions?tokens=5"
+    async with aiohttp.ClientSession() as session, asyncio.timeout(GUARD_S):
+        async with session.post(url, json={"messages": [], "n": 2, "stream": True}) as resp:
+            text = await resp.text()
+    assert resp.status == 200 and "[DONE]" in text, f"expected a whole stream, got {text!r}"
+    assert len(sglang.record.completed) == 2, f"expected 2 samples run, {sglang.record}"
+    assert await quiet(sglang.record.abort_event), sglang.record.abort_calls
+    got = await counted(sidecar.admin_port)
+    assert got == {}, f"a completed request must not be counted, got {got}"
+
+
+async def test_abortable_sglang_disconnect_is_aborted_not_counted(
+        sglang: FakeSGLang, start_sidecar: Callable[..., Any]) -> None:
+    sidecar: Servers = await start_sidecar(sglang_config(sglang.url))
+    reader, writer = await post(sidecar.proxy_port, "/v1/chat/completions",
+                                {"messages": [], "stream": True}, "?tokens=100000")
+    await disconnect_mid_stream(reader, writer, sglang.record.closed_event)
+    async with asyncio.timeout(GUARD_S):
+        await sglang.record.abort_event.wait()
+    assert sglang.record.aborted == sglang.record.rids[0], sglang.record
+    got = await counted(sidecar.admin_port)
+    assert got == {}, f"an aborted request must not be counted, got {got}"
+
+
+async def test_abortable_vllm_disconnect_is_aborted_not_counted(
+        engine: FakeEngine, start_sidecar: Callable[..., Any]) -> None:
+    """A body under the buffer on ``/v1/responses`` is rewritten and aborted by its id."""
+    sidecar: Servers = await start_sidecar(sidecar_settings(engine.url))
+    reader, writer = await post(sidecar.proxy_port, "/v1/responses",
+                                {"input": "hi", "stream": True}, "?tokens=100000")
+    await disconnect_mid_stream(reader, writer, engine.record.closed_event)
+    record = await engine.record.wait_abort(GUARD_S)
+    assert len(record.ids) == 1 and record.ids[0].startswith("resp_"), record.ids
+    got = await counted(sidecar.admin_port)
+    assert got == {}, f"an aborted request must not be counted, got {got}"
+
+
+async def test_openai_kind_disconnect_is_not_counted(
+        engine: FakeEngine, start_sidecar: Callable[..., Any]) -> None:
+    """Close-only is an ``openai`` engine's configured nature (its kind says so), not a
+    per-request surprise: counting every one of its early ends would drown the reasons."""
+    sidecar: Servers = await start_sidecar(sidecar_settings(
+        engine.url, engines={"local": {"kind": "openai", "url": engine.url}}))
+    reader, writer = await post(sidecar.proxy_port, "/v1/chat/completions",
+                                {"messages": [], "n": 2, "use_beam_search": True,
+                                 "stream": True}, "?tokens=100000")
+    await disconnect_mid_stream(reader, writer, engine.record.closed_event)
+    assert await quiet(engine.record.abort_event), engine.record.aborted_ids()
+    got = await counted(sidecar.admin_port)
+    assert got == {}, f"an openai-kind engine must never be counted, got {got}"
