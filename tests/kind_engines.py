@@ -78,6 +78,14 @@ class Work:
 
 
 @dataclass
+class ModelsRequest:
+    """One ``GET /v1/models``: when it arrived, and when its connection went away early."""
+
+    started: float
+    closed_at: float | None = None
+
+
+@dataclass
 class AbortCall:
     """One call to the engine's abort endpoint: the ids it named and what it was answered."""
 
@@ -85,6 +93,7 @@ class AbortCall:
     ids: list[str]
     authorization: str | None
     status: int
+    body: Any = None  # the call's JSON body
 
 
 class KindEngine:
@@ -101,6 +110,7 @@ class KindEngine:
         self.calls: list[AbortCall] = []
         self.probes: list[AbortCall] = []  # the sidecar's readiness probes, kept apart
         self.unknown_paths: list[str] = []
+        self.model_requests: list[ModelsRequest] = []
         self.live: dict[str, Work] = {}  # engine id -> its work, while it runs
         self.watch = Watch()  # await any condition over works/calls: watch.until(predicate, s)
         self.app = web.Application(middlewares=[self._unknown])
@@ -197,7 +207,16 @@ class KindEngine:
         return web.Response(text="ok")
 
     async def models(self, request: web.Request) -> web.Response:
-        await asyncio.sleep(float(request.query.get("hold", 0)))
+        """``GET /v1/models``, after ``hold`` seconds; ``model_requests`` records each one."""
+        seen = ModelsRequest(time.monotonic())
+        self.model_requests.append(seen)
+        self.watch.changed()
+        try:
+            await asyncio.sleep(float(request.query.get("hold", 0)))
+        except asyncio.CancelledError:
+            seen.closed_at = time.monotonic()
+            self.watch.changed()
+            raise
         return web.json_response({"object": "list", "data": [{"id": "fake"}]})
 
     async def generate(self, request: web.Request) -> web.StreamResponse:
@@ -243,9 +262,11 @@ class KindEngine:
         await response.write_eof()
         return response
 
-    def _record_call(self, request: web.Request, ids: list[str], status: int) -> AbortCall:
+    def _record_call(self, request: web.Request, body: Any, ids: list[str], status: int
+                     ) -> AbortCall:
         """Record an abort call (a readiness probe apart) and say whether it is authorised."""
-        call = AbortCall(time.monotonic(), ids, request.headers.get("Authorization"), status)
+        call = AbortCall(time.monotonic(), ids, request.headers.get("Authorization"), status,
+                         body)
         if self.api_key is not None and call.authorization != f"Bearer {self.api_key}":
             call.status = 401
         probe = len(ids) == 1 and ids[0].startswith(PROBE_PREFIX)
@@ -280,8 +301,9 @@ class VLLMEngine(KindEngine):
         self.app.router.add_post(self.abort_path, self.abort)
 
     async def abort(self, request: web.Request) -> web.Response:
-        ids = [str(i) for i in json.loads(await request.read()).get("request_ids", [])]
-        call = self._record_call(request, ids, 200 if self.scale_out else 403)
+        body = json.loads(await request.read())
+        ids = [str(i) for i in body.get("request_ids", [])]
+        call = self._record_call(request, body, ids, 200 if self.scale_out else 403)
         if call.status == 200:
             self.abort_ids(ids)  # in the background in vLLM; unknown ids ignored
         return web.Response(status=call.status)
@@ -309,7 +331,7 @@ class SGLangEngine(KindEngine):
     async def abort(self, request: web.Request) -> web.Response:
         body = json.loads(await request.read())
         rid = str(body.get("rid") or "")
-        call = self._record_call(request, [rid], 200)
+        call = self._record_call(request, body, [rid], 200)
         if call.status == 200:
             if body.get("abort_all"):
                 self.abort_ids(list(self.live))

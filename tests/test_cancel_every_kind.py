@@ -318,12 +318,16 @@ async def test_client_chosen_ids_never_reach_an_abort(deployment: Deployment,
 @pytest.mark.parametrize("deployment", sorted(KINDS), indirect=True)
 async def test_non_generating_route_disconnect_calls_no_abort(
         deployment: Deployment, stalls: Stalls, how: str) -> None:
-    d = deployment
+    d, fake = deployment, deployment.fake
     async with raw_client(d.port, stalls) as c:
         c.send("GET", "/v1/models?hold=30")
-        await asyncio.sleep(0.2)  # the request reaches the engine (nothing to await there)
-        c.disconnect(how)
-    assert await quiet(stalls, d, lambda: bool(d.fake.calls)), f"no abort: {d.fake.calls}"
+        await until(stalls, fake, lambda: bool(fake.model_requests), "the request to arrive")
+        at = c.disconnect(how)
+        seen = fake.model_requests[0]
+        await until(stalls, fake, lambda: seen.closed_at is not None, "the upstream close")
+    assert seen.closed_at is not None
+    stalls.check("the upstream close", at, seen.closed_at)
+    assert await quiet(stalls, d, lambda: bool(fake.calls)), f"no abort: {fake.calls}"
     counts = disconnect_counts(await metrics(d.admin))
     assert counts == {("/", "awaiting_response"): 1}, counts
 

@@ -30,6 +30,7 @@ from engine import build_adapters
 from sidecar.config import ConfigError, Settings, load_config, parse_config
 from sidecar.server import Servers
 from tests.fake_engine import HANG_ABORT_PATH, FakeEngine
+from tests.kind_engines import OpenAIEngine, SGLangEngine, VLLMEngine
 from tests.support import (
     API_KEY,
     COMPLETIONS,
@@ -181,6 +182,66 @@ async def test_disconnect_aborts_every_listed_engine_with_its_ids(
     line = access_lines.lines.get(sidecar_id, {})
     assert (line.get("engine"), line.get("abort")) == ("router", "ok"), (
         f"expected the access line of {sidecar_id} with engine router and abort ok, got {line}")
+
+
+MIXED_PHASES = {"mid_stream": ("?tokens=3000&interval=0.01", True),
+                "queued": ("?first_byte_delay=30", True),
+                "non_streaming": ("?tokens=3000&interval=0.01", False)}
+
+
+@pytest.mark.parametrize("phase", sorted(MIXED_PHASES))
+async def test_mixed_kinds_each_stop_the_work_under_their_own_ids(
+        start_sidecar: Callable[..., Any], stalls: Stalls, phase: str) -> None:
+    """A router (kind openai) forwards a 3-prompt completion to a vLLM prefill engine and an
+    SGLang decode engine (``tests/kind_engines.py``: the request runs on both, under each kind's
+    own ids, and goes on after the router's connection closes). The client leaves: each engine
+    gets its own kind's abort (vLLM one call with ``cmpl-{id}-0..2``, SGLang one call per
+    ``{id}_{i}``, the ``rid`` the sidecar wrote into the body), and its work stops."""
+    prefill, decode = VLLMEngine(API_KEY), SGLangEngine(API_KEY)
+    router = OpenAIEngine(forward_to=(prefill, decode))
+    for fake in (prefill, decode, router):
+        await fake.start()
+    try:
+        abort = {"api_key": API_KEY, "timeout_s": 2.0}
+        tree = {
+            "listen": {"host": "127.0.0.1", "port": 0}, "admin": {"host": "127.0.0.1", "port": 0},
+            "engines": {"router": {"kind": "openai", "url": router.url},
+                        "prefill": {"kind": "vllm", "url": prefill.url, "abort": abort},
+                        "decode": {"kind": "sglang", "url": decode.url, "abort": abort}},
+            "routes": [{"prefix": "/", "engine": "router", "abort": ["prefill", "decode"]}],
+        }
+        servers: Servers = await start_sidecar(parse_config(yaml.safe_dump(tree), "<test>",
+                                                            env={}))
+        query, stream = MIXED_PHASES[phase]
+        async with raw_client(servers.proxy_port, stalls) as client:
+            client.send("POST", COMPLETIONS + query, request_body(PROMPTS, stream),
+                        [("X-Request-Id", "client-chosen")])
+            if phase == "mid_stream":
+                await client.head()
+                await client.read_until(b"data:")
+            await stalls.wait(router.watch.until(lambda: bool(router.works), 3600),
+                              "the router to get the request")
+            at = client.disconnect("rst")
+            works = {"prefill": prefill.works[0], "decode": decode.works[0]}
+            for name, fake in (("prefill", prefill), ("decode", decode)):
+                work = works[name]
+                await stalls.wait(fake.watch.until(lambda w=work: w.stopped_at is not None, 3600),
+                                  f"the work at {name} to stop")
+        await settle(servers.proxy_port)
+        sid = works["prefill"].request_id_header
+        assert sid is not None and sid != "client-chosen" and works["decode"].tag == sid, (
+            sid, works["decode"].tag)
+        assert [c.ids for c in prefill.calls] == [[f"cmpl-{sid}-{i}" for i in range(3)]], (
+            [c.ids for c in prefill.calls])
+        assert sorted(c.ids[0] for c in decode.calls) == [f"{sid}_{i}" for i in range(3)], (
+            [c.ids for c in decode.calls])
+        assert router.calls == [] and router.unknown_paths == [], router.unknown_paths
+        stopped = {n: stalls.check(f"the work at {n} to stop", at, w.stopped_at or 0)
+                   for n, w in works.items()}
+        print(f"[mixed {phase}] " + ", ".join(f"{n} stopped {ms(t)}" for n, t in stopped.items()))
+    finally:
+        for fake in (router, prefill, decode):
+            await fake.stop()
 
 
 async def test_fanout_calls_are_concurrent(deployment: Deployment,

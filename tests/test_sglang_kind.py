@@ -1,11 +1,10 @@
 """The ``sglang`` engine kind: the adapter's pure logic (exact ids, property tests) and the
-production wiring against a fake SGLang server (``tests/fake_sglang.py``, real aiohttp on
+production wiring against the fake SGLang server of ``tests/kind_engines.py`` (real aiohttp on
 127.0.0.1) that reads ``rid`` from the body, aborts by prefix and answers 200 to any abort.
 """
 
 from __future__ import annotations
 
-import asyncio
 import json
 import uuid
 from collections.abc import AsyncIterator, Callable
@@ -23,7 +22,7 @@ from engine.sglang import SGLangAdapter
 from sidecar.config import EngineSettings, Settings, parse_config
 from sidecar.server import Servers
 from tests.conftest import sidecar_settings
-from tests.fake_sglang import FakeSGLang
+from tests.kind_engines import SGLangEngine
 
 SID = "0123456789abcdef0123456789abcdef"
 ROUTES = ("/generate", "/v1/completions", "/v1/chat/completions")
@@ -150,78 +149,46 @@ def test_ids_of_concurrent_requests_never_prefix_each_other(
 
 
 # -- production wiring against the fake SGLang ------------------------------------------------
+# (Disconnects on every route, batch children, shared client rids: tests/test_cancel_every_kind.py;
+# n > 1: tests/test_unabortable.py.)
 
 @pytest_asyncio.fixture
-async def sglang() -> AsyncIterator[FakeSGLang]:
-    fake = FakeSGLang()
+async def sglang() -> AsyncIterator[SGLangEngine]:
+    fake = SGLangEngine()
     await fake.start()
     yield fake
     await fake.stop()
 
 
 def sglang_settings(url: str) -> Settings:
-    # A short grace: a failing test leaves a stream open, and teardown should not wait 30 s.
     return sidecar_settings(url, engines={"local": {"kind": "sglang", "url": url,
                                                     "abort": {"timeout_s": 2.0}}},
                             lifecycle={"grace_period_s": 1.0})
 
 
-async def _post(port: int, path: str, body: dict[str, Any], query: str = ""
-                ) -> tuple[asyncio.StreamReader, asyncio.StreamWriter]:
-    raw = json.dumps(body).encode()
-    reader, writer = await asyncio.open_connection("127.0.0.1", port)
-    writer.write(f"POST {path}{query} HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
-                 f"X-Request-Id: chosen-by-client\r\nContent-Length: {len(raw)}\r\n\r\n".encode()
-                 + raw)
-    await writer.drain()
-    return reader, writer
-
-
-async def _no_abort_within(fake: FakeSGLang, seconds: float) -> None:
-    try:
-        async with asyncio.timeout(seconds):
-            await fake.record.abort_event.wait()
-    except TimeoutError:
-        pass
-
-
-async def test_n_samples_get_no_abort_only_the_upstream_close(
-        sglang: FakeSGLang, start_sidecar: Callable[..., Any]) -> None:
-    """SGLang runs n > 1 samples under fresh random rids: the sidecar cannot name them."""
-    sidecar: Servers = await start_sidecar(sglang_settings(sglang.url))
-    reader, writer = await _post(sidecar.proxy_port, "/v1/chat/completions",
-                                 {"messages": [], "n": 2, "stream": True}, "?tokens=100000")
-    async with asyncio.timeout(5):
-        await reader.readuntil(b"data:")
-    writer.transport.abort()
-    async with asyncio.timeout(5):
-        await sglang.record.closed_event.wait()
-    await _no_abort_within(sglang, 0.5)
-    assert sglang.record.abort_calls == [], sglang.record.abort_calls
-
-
 async def test_abort_endpoint_is_not_proxied(
-        sglang: FakeSGLang, start_sidecar: Callable[..., Any]) -> None:
+        sglang: SGLangEngine, start_sidecar: Callable[..., Any]) -> None:
     sidecar: Servers = await start_sidecar(sglang_settings(sglang.url))
     async with aiohttp.ClientSession() as session:
         for path in ("/abort_request", "/abort_request/", "/pause_generation"):
             async with session.post(f"http://127.0.0.1:{sidecar.proxy_port}{path}",
                                     json={"rid": "", "abort_all": True}) as resp:
                 assert resp.status == 403, f"{path}: expected 403, got {resp.status}"
-    assert sglang.record.abort_calls == []
+    assert sglang.calls == [] and sglang.unknown_paths == [], (sglang.calls, sglang.unknown_paths)
 
 
 async def test_readyz_probes_the_abort_route(
-        sglang: FakeSGLang, start_sidecar: Callable[..., Any]) -> None:
+        sglang: SGLangEngine, start_sidecar: Callable[..., Any]) -> None:
     """SGLang answers 200 to any rid: the probe proves the route exists and accepts the call."""
     sidecar: Servers = await start_sidecar(sglang_settings(sglang.url))
     async with aiohttp.ClientSession() as session:
         async with session.get(f"http://127.0.0.1:{sidecar.admin_port}/readyz") as resp:
             verdict = await resp.json()
     assert resp.status == 200 and verdict["engines"] == {"local": "ok"}, verdict
-    (call,) = sglang.record.abort_calls
-    assert set(call) == {"rid"} and call["rid"].startswith("cancel-sidecar-readiness-probe-")
-    assert sglang.record.aborted == []
+    (probe,) = sglang.probes
+    assert set(probe.body) == {"rid"}, probe.body
+    assert probe.body["rid"].startswith("cancel-sidecar-readiness-probe-"), probe.body
+    assert sglang.calls == [] and sglang.works == []
 
 
 def test_example_config_builds_an_sglang_adapter() -> None:

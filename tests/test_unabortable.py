@@ -4,10 +4,9 @@ closed and no abort call is made for it; a request that completes, an abortable 
 close-only (``openai``) engine are never counted.
 
 Production wiring (``tests/conftest.py``: ``server.start``, uvloop) against the real fakes on
-127.0.0.1: ``tests/fake_sglang.py`` (SGLang's ``rid`` and fresh-rid-per-sample behaviour) and
-``tests/fake_engine.py`` (vLLM). The counter is read from the admin listener's ``/metrics`` with
-prometheus_client's parser. Helpers are local to this module on purpose: the shared ones are
-being moved (``tests/support.py``).
+127.0.0.1: :class:`tests.kind_engines.SGLangEngine` (SGLang's ``rid`` and fresh-rid-per-sample
+behaviour) and ``tests/fake_engine.py`` (vLLM). The counter is read from the admin listener's
+``/metrics`` with prometheus_client's parser.
 """
 
 from __future__ import annotations
@@ -15,7 +14,7 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any
 
 import aiohttp
@@ -29,7 +28,7 @@ from sidecar.config import EngineSettings, Settings
 from sidecar.server import Servers
 from tests.conftest import sidecar_settings
 from tests.fake_engine import FakeEngine
-from tests.fake_sglang import FakeSGLang
+from tests.kind_engines import SGLangEngine
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -48,8 +47,8 @@ SID = "0123456789abcdef0123456789abcdef"
 # -- helpers ------------------------------------------------------------------------------------
 
 @pytest_asyncio.fixture
-async def sglang() -> AsyncIterator[FakeSGLang]:
-    fake = FakeSGLang()
+async def sglang() -> AsyncIterator[SGLangEngine]:
+    fake = SGLangEngine()
     await fake.start()
     yield fake
     await fake.stop()
@@ -93,14 +92,25 @@ async def quiet(event: asyncio.Event) -> bool:
     return False
 
 
+async def no_call(fake: SGLangEngine) -> bool:
+    """True if no abort call reaches ``fake`` within ``QUIET_S``."""
+    return not await fake.watch.until(lambda: bool(fake.calls), QUIET_S)
+
+
+async def sglang_closed(fake: SGLangEngine) -> None:
+    """Wait for the fake SGLang to see its (first) request's connection close."""
+    assert await fake.watch.until(lambda: fake.works[0].closed_at is not None, GUARD_S), (
+        "expected the upstream connection closed")
+
+
 async def disconnect_mid_stream(reader: asyncio.StreamReader, writer: asyncio.StreamWriter,
-                                closed: asyncio.Event) -> None:
+                                closed: Callable[[], Awaitable[object]]) -> None:
     """Read the first SSE event, reset the connection, wait for the engine to see its close."""
     async with asyncio.timeout(GUARD_S):
         await reader.readuntil(b"data:")
     writer.transport.abort()
     async with asyncio.timeout(GUARD_S):
-        await closed.wait()
+        await closed()
 
 
 # -- adapters: the reason, and no ids for it ------------------------------------------------------
@@ -156,16 +166,16 @@ def test_adapter_reason_never_raises_on_bad_bodies() -> None:
     ("/generate", {"text": "x", "sampling_params": {"n": 3}, "stream": True}),
 ])
 async def test_sglang_n_samples_disconnect_is_counted_not_aborted(
-        sglang: FakeSGLang, start_sidecar: Callable[..., Any], path: str,
+        sglang: SGLangEngine, start_sidecar: Callable[..., Any], path: str,
         body: dict[str, Any], caplog: pytest.LogCaptureFixture) -> None:
     caplog.set_level(logging.WARNING, logger="sidecar.proxy")
     sidecar: Servers = await start_sidecar(sglang_config(sglang.url))
     reader, writer = await post(sidecar.proxy_port, path, body, "?tokens=100000")
-    await disconnect_mid_stream(reader, writer, sglang.record.closed_event)
-    assert await quiet(sglang.record.abort_event), (
-        f"expected no abort call for n > 1, got {sglang.record.abort_calls}")
-    assert sorted(sglang.record.closed) == sorted(sglang.record.rids[0]), (
-        "expected the upstream connection of every sample closed")
+    await disconnect_mid_stream(reader, writer, lambda: sglang_closed(sglang))
+    assert await no_call(sglang), f"expected no abort call for n > 1, got {sglang.calls}"
+    (work,) = sglang.works
+    assert len(work.engine_ids) >= 2 and work.running, (
+        f"expected the samples running on under fresh rids, got {work}")
     got = await counted(sidecar.admin_port)
     assert got == {("local", "sglang_n_samples"): 1.0}, f"expected one count, got {got}"
     warned = [r.getMessage() for r in caplog.records
@@ -175,7 +185,7 @@ async def test_sglang_n_samples_disconnect_is_counted_not_aborted(
 
 
 async def test_sglang_body_over_replay_buffer_disconnect_is_counted_not_aborted(
-        sglang: FakeSGLang, start_sidecar: Callable[..., Any]) -> None:
+        sglang: SGLangEngine, start_sidecar: Callable[..., Any]) -> None:
     """Relayed unrewritten: SGLang runs it under the client's own rid, which the sidecar never
     names (before this counter it sent an abort for its own id, which matched nothing)."""
     sidecar: Servers = await start_sidecar(sglang_config(
@@ -183,12 +193,10 @@ async def test_sglang_body_over_replay_buffer_disconnect_is_counted_not_aborted(
     body = {"messages": [], "stream": True, "rid": "client-rid", "pad": PAD}
     reader, writer = await post(sidecar.proxy_port, "/v1/chat/completions", body,
                                 "?tokens=100000")
-    await disconnect_mid_stream(reader, writer, sglang.record.closed_event)
-    assert sglang.record.rids == [["client-rid"]], (
-        f"expected the body relayed unrewritten, engine ran {sglang.record.rids}")
-    assert await quiet(sglang.record.abort_event), (
-        f"expected no abort call, got {sglang.record.abort_calls}")
-    assert sglang.record.closed == ["client-rid"], "expected the upstream connection closed"
+    await disconnect_mid_stream(reader, writer, lambda: sglang_closed(sglang))
+    assert [w.engine_ids for w in sglang.works] == [("client-rid",)], (
+        f"expected the body relayed unrewritten, engine ran {sglang.works}")
+    assert await no_call(sglang), f"expected no abort call, got {sglang.calls}"
     got = await counted(sidecar.admin_port)
     assert got == {("local", "body_over_replay_buffer"): 1.0}, f"expected one count, got {got}"
 
@@ -200,7 +208,7 @@ async def test_vllm_responses_body_over_replay_buffer_disconnect_is_counted_not_
         engine.url, upstream={"replay_buffer_bytes": SMALL_BUFFER}))
     body = {"input": "hi", "stream": True, "request_id": "client-chosen", "pad": PAD}
     reader, writer = await post(sidecar.proxy_port, "/v1/responses", body, "?tokens=100000")
-    await disconnect_mid_stream(reader, writer, engine.record.closed_event)
+    await disconnect_mid_stream(reader, writer, engine.record.closed_event.wait)
     (gen,) = engine.record.generations
     assert gen.body["request_id"] == "client-chosen", "expected the body relayed unrewritten"
     assert gen.closed_at is not None, "expected the upstream connection closed"
@@ -220,7 +228,7 @@ async def test_vllm_beam_search_disconnect_is_counted_not_aborted(
     sidecar: Servers = await start_sidecar(sidecar_settings(engine.url))
     reader, writer = await post(sidecar.proxy_port, path, body, "?tokens=100000")
     if body.get("stream"):
-        await disconnect_mid_stream(reader, writer, engine.record.closed_event)
+        await disconnect_mid_stream(reader, writer, engine.record.closed_event.wait)
     else:  # awaiting the response: vLLM sends the head only with the whole of it
         async with asyncio.timeout(GUARD_S):
             await engine.record.started_event.wait()
@@ -234,7 +242,7 @@ async def test_vllm_beam_search_disconnect_is_counted_not_aborted(
 
 
 async def test_deadline_end_is_counted_like_a_disconnect(
-        sglang: FakeSGLang, start_sidecar: Callable[..., Any]) -> None:
+        sglang: SGLangEngine, start_sidecar: Callable[..., Any]) -> None:
     """The sidecar's own early end (here the deadline; the cancel API and a shutdown take the
     same path, ``Exchange.cancel``) counts too: the client stays connected."""
     sidecar: Servers = await start_sidecar(sglang_config(sglang.url))
@@ -244,15 +252,14 @@ async def test_deadline_end_is_counted_like_a_disconnect(
                                 headers={"X-Sidecar-Deadline-S": "0.3"}) as resp:
             text = await resp.text()
     assert '"deadline_exceeded"' in text, f"expected the SSE deadline event, got {text[-200:]!r}"
-    async with asyncio.timeout(GUARD_S):
-        await sglang.record.closed_event.wait()
-    assert await quiet(sglang.record.abort_event), sglang.record.abort_calls
+    await sglang_closed(sglang)
+    assert await no_call(sglang), sglang.calls
     got = await counted(sidecar.admin_port)
     assert got == {("local", "sglang_n_samples"): 1.0}, f"expected one count, got {got}"
 
 
 async def test_shutdown_end_is_counted(
-        sglang: FakeSGLang, start_sidecar: Callable[..., Any]) -> None:
+        sglang: SGLangEngine, start_sidecar: Callable[..., Any]) -> None:
     """A stop that cancels a straggler after the grace period counts it too (read from the
     registry: the admin listener is gone by then)."""
     registry = CollectorRegistry()
@@ -263,9 +270,9 @@ async def test_shutdown_end_is_counted(
     async with asyncio.timeout(GUARD_S):
         await reader.readuntil(b"data:")
         await sidecar.stop(grace_s=0.1)
-        await sglang.record.closed_event.wait()
+    await sglang_closed(sglang)
     writer.close()
-    assert await quiet(sglang.record.abort_event), sglang.record.abort_calls
+    assert await no_call(sglang), sglang.calls
     got = registry.get_sample_value(METRIC, {"engine": "local", "reason": "sglang_n_samples"})
     assert got == 1.0, f"expected one count after the shutdown, got {got}"
 
@@ -273,7 +280,7 @@ async def test_shutdown_end_is_counted(
 # -- never counted --------------------------------------------------------------------------------
 
 async def test_completed_n_samples_request_is_not_counted(
-        sglang: FakeSGLang, start_sidecar: Callable[..., Any]) -> None:
+        sglang: SGLangEngine, start_sidecar: Callable[..., Any]) -> None:
     """Counted on the early end only: a request that completes wasted nothing."""
     sidecar: Servers = await start_sidecar(sglang_config(sglang.url))
     url = f"http://127.0.0.1:{sidecar.proxy_port}/v1/chat/completions?tokens=5"
@@ -281,21 +288,22 @@ async def test_completed_n_samples_request_is_not_counted(
         async with session.post(url, json={"messages": [], "n": 2, "stream": True}) as resp:
             text = await resp.text()
     assert resp.status == 200 and "[DONE]" in text, f"expected a whole stream, got {text!r}"
-    assert len(sglang.record.completed) == 2, f"expected 2 samples run, {sglang.record}"
-    assert await quiet(sglang.record.abort_event), sglang.record.abort_calls
+    (work,) = sglang.works
+    assert work.finished and len(work.engine_ids) == 2, f"expected 2 samples run: {work}"
+    assert await no_call(sglang), sglang.calls
     got = await counted(sidecar.admin_port)
     assert got == {}, f"a completed request must not be counted, got {got}"
 
 
 async def test_abortable_sglang_disconnect_is_aborted_not_counted(
-        sglang: FakeSGLang, start_sidecar: Callable[..., Any]) -> None:
+        sglang: SGLangEngine, start_sidecar: Callable[..., Any]) -> None:
     sidecar: Servers = await start_sidecar(sglang_config(sglang.url))
     reader, writer = await post(sidecar.proxy_port, "/v1/chat/completions",
                                 {"messages": [], "stream": True}, "?tokens=100000")
-    await disconnect_mid_stream(reader, writer, sglang.record.closed_event)
-    async with asyncio.timeout(GUARD_S):
-        await sglang.record.abort_event.wait()
-    assert sglang.record.aborted == sglang.record.rids[0], sglang.record
+    await disconnect_mid_stream(reader, writer, lambda: sglang_closed(sglang))
+    (work,) = sglang.works
+    assert await sglang.watch.until(lambda: work.stopped_at is not None, GUARD_S), work
+    assert sorted(work.aborted) == sorted(work.engine_ids), work
     got = await counted(sidecar.admin_port)
     assert got == {}, f"an aborted request must not be counted, got {got}"
 
@@ -306,7 +314,7 @@ async def test_abortable_vllm_disconnect_is_aborted_not_counted(
     sidecar: Servers = await start_sidecar(sidecar_settings(engine.url))
     reader, writer = await post(sidecar.proxy_port, "/v1/responses",
                                 {"input": "hi", "stream": True}, "?tokens=100000")
-    await disconnect_mid_stream(reader, writer, engine.record.closed_event)
+    await disconnect_mid_stream(reader, writer, engine.record.closed_event.wait)
     record = await engine.record.wait_abort(GUARD_S)
     assert len(record.ids) == 1 and record.ids[0].startswith("resp_"), record.ids
     got = await counted(sidecar.admin_port)
@@ -322,7 +330,7 @@ async def test_openai_kind_disconnect_is_not_counted(
     reader, writer = await post(sidecar.proxy_port, "/v1/chat/completions",
                                 {"messages": [], "n": 2, "use_beam_search": True,
                                  "stream": True}, "?tokens=100000")
-    await disconnect_mid_stream(reader, writer, engine.record.closed_event)
+    await disconnect_mid_stream(reader, writer, engine.record.closed_event.wait)
     assert await quiet(engine.record.abort_event), engine.record.aborted_ids()
     got = await counted(sidecar.admin_port)
     assert got == {}, f"an openai-kind engine must never be counted, got {got}"
