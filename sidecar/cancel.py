@@ -5,7 +5,8 @@
     200 {"id": ..., "cancelled": true, "phase": ...}   found: engine aborted, client's response
                                                         ended (see proxy.Exchange.end_cancelled)
     404 {"error": {..., "type": "not_found"}}           no such request in flight (never was,
-                                                        finished, or already cancelled)
+                                                        finished, or already ending: cancelled,
+                                                        its deadline passed, its client gone)
     401 {"error": {..., "type": "unauthorized"}}        admin.cancel_token set, and no
                                                         ``Authorization: Bearer <token>`` matching
     501 {"error": {..., "type": "not_implemented"}}     --workers N: requests live in the worker

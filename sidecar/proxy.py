@@ -22,7 +22,10 @@ and cancels its handler with :data:`CANCELLED`; a request's deadline
 :data:`DEADLINE`. :func:`handle` consumes only that cancellation (``Task.uncancel() == 0``:
 nothing else, e.g. a disconnect, asked too, as ``asyncio.timeout`` does) and
 :meth:`Exchange.end_cancelled` aborts the engine and ends the client's response with an error it
-can parse (the :class:`Ending`'s status before the head, its SSE error event mid-stream).
+can parse (the :class:`Ending`'s status before the head, its SSE error event mid-stream). Of a
+cancel call, the deadline and a disconnect, the first the sidecar notices wins and is the only
+one counted: :meth:`Exchange.request_cancel` refuses a request already ending (another ending
+asked, or the client's connection is lost or closing).
 """
 
 from __future__ import annotations
@@ -409,20 +412,21 @@ class Exchange:
 
     def request_cancel(self, ending: Ending = CANCELLED) -> bool:
         """The cancel API (or the deadline timer, with :data:`DEADLINE`): cancel the handler;
-        :func:`handle` then calls :meth:`end_cancelled`. ``False`` if an ending was already
-        requested (the first wins) or the handler is gone."""
-        if self.ending is not None or self.task is None or self.task.done():
+        :func:`handle` then calls :meth:`end_cancelled`. ``False`` if the request is already
+        ending: another ending was requested, the client is gone (its disconnect is being
+        handled: the connection is lost or closing), or the handler is done. The first to ask
+        wins."""
+        transport = self.request.transport
+        if (self.ending is not None or self.task is None or self.task.done()
+                or transport is None or transport.is_closing()):
             return False
         self.ending = ending
         self.task.cancel(ending.reason)
         return True
 
-    async def end_cancelled(self) -> web.StreamResponse:
+    def stop_for_ending(self) -> Ending:
         """After :meth:`request_cancel`: close upstream and abort the engine (as after a
-        disconnect, not counted as one), then end the client's response as its :class:`Ending`
-        says: a JSON error with its status before the head; its SSE error event and the end of
-        the stream mid-SSE (at an event boundary); else (a JSON body begun, or mid-event) the
-        response cut short."""
+        disconnect, not counted as one) and count the request under its :class:`Ending`."""
         ending = self.ending or CANCELLED
         self.cancel(ending.reason, disconnect=False)
         self.close()
@@ -431,6 +435,14 @@ class Exchange:
         counter = self.metrics.deadline_exceeded if ending is DEADLINE else self.metrics.cancelled
         counter.labels(self.target.prefix, self.phase).inc()
         self.access.cancelled(ending.reason)
+        return ending
+
+    async def end_cancelled(self) -> web.StreamResponse:
+        """:meth:`stop_for_ending`, then end the client's response as its :class:`Ending`
+        says: a JSON error with its status before the head; its SSE error event and the end of
+        the stream mid-SSE (at an event boundary); else (a JSON body begun, or mid-event) the
+        response cut short."""
+        ending = self.stop_for_ending()
         response = self.response
         if response is None or not response.prepared:
             return await self._cancelled_before_head(ending)
@@ -537,9 +549,16 @@ async def handle(request: web.Request, runtime: Runtime) -> web.StreamResponse:
             exchange.bytes_sent = response.content_length or 0
         return response
     except asyncio.CancelledError:
-        if exchange.ending and exchange.task and exchange.task.uncancel() == 0:
-            status_class = "cancelled"  # our own cancellation, consumed: nothing else asked
-            return await exchange.end_cancelled()
+        if exchange.ending and exchange.task:
+            # The sidecar's own ending asked first (request_cancel refuses once the client is
+            # gone), so it wins even if a disconnect or the stop drain asked too before the
+            # handler ran: counted once, as the ending.
+            status_class = "cancelled"
+            if exchange.task.uncancel() == 0:  # our own cancellation, consumed
+                return await exchange.end_cancelled()
+            exchange.stop_for_ending()  # and no response: the handler was cancelled again
+            gone = request.transport is None or request.transport.is_closing()
+            raise
         gone = request.transport is None or request.transport.is_closing()
         if not gone:
             status_class = "cancelled"

@@ -12,6 +12,10 @@ query parameters, which the sidecar forwards untouched:
 - ``chunk`` (bytes): for ``/bytes``, the body size
 - ``hold`` (seconds), on any route: wait this long before the handler runs (a slow
   non-generating route such as ``GET /v1/models``)
+- ``body_pieces`` (int, default 1) and ``body_interval`` (seconds, default 0.1): a
+  non-streaming answer's JSON body, with its ``Content-Length`` in the head, is written in this
+  many pieces, ``body_interval`` apart (the head and the first piece at once): a JSON response
+  still being relayed when the client, the cancel API or a deadline ends it
 
 Everything it sees is recorded on :class:`EngineRecord` for the test to inspect, with events a
 test can await instead of sleeping.
@@ -221,9 +225,12 @@ class FakeEngine:
         await asyncio.sleep(_float(request, "first_byte_delay", 0.0))
         if not body.get("stream"):
             await asyncio.sleep(tokens * interval)
+            answer = {"id": gen.request_id, "object": "chat.completion",
+                      "choices": [{"index": 0, "text": "x" * tokens}]}
+            if int(request.query.get("body_pieces", "1")) > 1:
+                return await self._json_in_pieces(request, answer, gen)
             gen.finished = True
-            return web.json_response({"id": gen.request_id, "object": "chat.completion",
-                                      "choices": [{"index": 0, "text": "x" * tokens}]})
+            return web.json_response(answer)
         response = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
         await response.prepare(request)
         for i in range(tokens):
@@ -234,6 +241,25 @@ class FakeEngine:
             gen.events_sent += 1
             await asyncio.sleep(interval)
         await response.write(_sse("[DONE]"))
+        gen.finished = True
+        await response.write_eof()
+        return response
+
+    async def _json_in_pieces(self, request: web.Request, answer: dict[str, Any],
+                              gen: Generation) -> web.StreamResponse:
+        """``answer`` as JSON with its Content-Length, in ``body_pieces`` writes
+        ``body_interval`` seconds apart."""
+        data = json.dumps(answer).encode()
+        pieces = int(request.query["body_pieces"])
+        size = -(-len(data) // pieces)  # ceil: exactly ``pieces`` writes for a long enough body
+        response = web.StreamResponse(headers={"Content-Type": "application/json"})
+        response.content_length = len(data)
+        await response.prepare(request)
+        for start in range(0, len(data), size):
+            if start:
+                await asyncio.sleep(_float(request, "body_interval", 0.1))
+            await response.write(data[start:start + size])
+            gen.events_sent += 1
         gen.finished = True
         await response.write_eof()
         return response

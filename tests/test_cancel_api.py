@@ -289,3 +289,32 @@ async def test_cancel_while_the_client_sends_its_body_answers_499_without_abort(
         assert r.status == 200
     assert engine.record.aborts == [], (
         f"the engine never had the whole request: no abort expected, got {engine.record.aborts}")
+
+
+async def test_cancel_while_a_json_body_is_relayed_cuts_it_short(
+        engine: FakeEngine, start_sidecar: Callable[..., Any]) -> None:
+    servers: Servers = await start_sidecar(sidecar_settings(engine.url))
+    body = chat_body(stream=False)
+    # The head (with Content-Length) and the first of 20 pieces at once, then one every 0.1 s.
+    query = "tokens=200&interval=0&body_pieces=20&body_interval=0.1"
+    async with asyncio.timeout(WAIT_S), rawhttp.connect(servers.proxy_port) as (reader, writer):
+        writer.write(rawhttp.request_bytes(
+            "POST", f"{CHAT}?{query}",
+            [("Content-Type", "application/json"), ("Content-Length", str(len(body)))], body))
+        head = await rawhttp.read_head(reader)
+        length = head.get("Content-Length")
+        assert head.status == 200 and length is not None, f"expected a 200 with a length: {head}"
+        first = await reader.read(int(length))
+        request_id = head.get("X-Request-Id")
+        assert request_id, head.headers
+        status, answer = await cancel(servers.admin_port, request_id)
+        rest = await reader.read()  # to the end: the sidecar closes the connection
+    assert (status, answer) == (200, {"id": request_id, "cancelled": True,
+                                      "phase": "awaiting_response"}), (status, answer)
+    got = first + rest
+    assert 0 < len(got) < int(length), (
+        f"expected the body cut short of its {length} bytes, got {len(got)}: {got!r}")
+    await aborted_once(engine, [f"chatcmpl-{request_id}"], servers.proxy_port)
+    values = await metric_values(servers.admin_port)
+    labels = frozenset({("route", "/"), ("phase", "awaiting_response")})
+    assert values.get(("cancel_sidecar_cancelled_requests_total", labels)) == 1.0, values

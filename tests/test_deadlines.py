@@ -287,3 +287,52 @@ async def test_deadline_while_the_client_sends_its_body_answers_504_without_abor
     values = await metric_values(servers.admin_port)
     labels = frozenset({("route", "/"), ("phase", "request_body")})
     assert values.get(("cancel_sidecar_deadline_exceeded_total", labels)) == 1.0, values
+
+
+async def test_deadline_while_a_json_body_is_relayed_cuts_it_short(
+        engine: FakeEngine, start_sidecar: Callable[..., Any],
+        caplog: pytest.LogCaptureFixture) -> None:
+    caplog.set_level(logging.INFO, logger="sidecar.access")
+    servers: Servers = await start_sidecar(sidecar_settings(engine.url, routes=route(0.5)))
+    body = chat_body(stream=False)
+    # The head (with Content-Length) and the first of 20 pieces at once, then one every 0.1 s:
+    # the 0.5 s deadline passes with the body about a quarter sent.
+    query = "tokens=200&interval=0&body_pieces=20&body_interval=0.1"
+    started = time.monotonic()
+    async with asyncio.timeout(WAIT_S), rawhttp.connect(servers.proxy_port) as (reader, writer):
+        writer.write(rawhttp.request_bytes(
+            "POST", f"{CHAT}?{query}",
+            [("Content-Type", "application/json"), ("Content-Length", str(len(body)))], body))
+        head = await rawhttp.read_head(reader)
+        response = await rawhttp.read_body(reader, head, "POST")
+        rest = await reader.read()
+    took = time.monotonic() - started
+    length = head.get("Content-Length")
+    assert head.status == 200 and length is not None and not head.chunked, (
+        f"expected a 200 with a Content-Length (the head went out before the deadline), got "
+        f"{head}")
+    assert response.ending == "eof" and 0 < len(response.body) < int(length), (
+        f"expected the body cut short ({length} announced) and the connection closed, got "
+        f"{len(response.body)} bytes ending {response.ending}")
+    assert rest == b"", f"expected nothing after the cut, got {rest!r}"
+    with pytest.raises(ValueError):
+        json.loads(response.body)  # the client can tell: the JSON is incomplete
+    assert 0.5 <= took < 4.5, f"expected the cut at ~0.5 s (guard +4 s), took {took:.3f} s"
+    request_id = head.get("X-Request-Id")
+    assert request_id, head.headers
+    await aborted_once(engine, [f"chatcmpl-{request_id}"], servers.proxy_port)
+    assert not engine.record.generations[0].finished, "the engine must not have finished"
+
+    values = await metric_values(servers.admin_port)
+    labels = frozenset({("route", "/"), ("phase", "awaiting_response")})
+    assert values.get(("cancel_sidecar_deadline_exceeded_total", labels)) == 1.0, values
+    cancelled = frozenset({("route", "/"), ("status_class", "cancelled")})
+    assert values.get(("cancel_sidecar_requests_total", cancelled)) == 1.0, values
+    lines = [r.__dict__["access"] for r in caplog.records if r.name == "sidecar.access"
+             and r.__dict__["access"]["request_id"] == request_id]
+    assert len(lines) == 1, f"expected one access line for {request_id}, got {lines}"
+    expected = {"status": 200, "client_disconnected": False, "phase": "awaiting_response",
+                "cancel_reason": "deadline exceeded", "abort": "ok",
+                "bytes_sent": len(response.body)}
+    got = {k: lines[0][k] for k in expected}
+    assert got == expected, f"expected the access line {expected}, got {got}"
