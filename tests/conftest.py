@@ -20,6 +20,7 @@ from prometheus_client import CollectorRegistry
 from sidecar import server
 from sidecar.config import Settings, parse_config
 from tests.fake_engine import FakeEngine
+from tests.kind_engines import SGLangEngine
 from tests.support import Stalls
 
 
@@ -32,6 +33,15 @@ def pytest_asyncio_loop_factories(config: pytest.Config, item: pytest.Item
 @pytest_asyncio.fixture
 async def engine() -> AsyncIterator[FakeEngine]:
     fake = FakeEngine()
+    await fake.start()
+    yield fake
+    await fake.stop()
+
+
+@pytest_asyncio.fixture
+async def sglang() -> AsyncIterator[SGLangEngine]:
+    """The fake SGLang server of :mod:`tests.kind_engines`."""
+    fake = SGLangEngine()
     await fake.start()
     yield fake
     await fake.stop()

@@ -7,13 +7,12 @@ from __future__ import annotations
 
 import json
 import uuid
-from collections.abc import AsyncIterator, Callable
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import aiohttp
 import pytest
-import pytest_asyncio
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -151,14 +150,6 @@ def test_ids_of_concurrent_requests_never_prefix_each_other(
 # -- production wiring against the fake SGLang ------------------------------------------------
 # (Disconnects on every route, batch children, shared client rids: tests/test_cancel_every_kind.py;
 # n > 1: tests/test_unabortable.py.)
-
-@pytest_asyncio.fixture
-async def sglang() -> AsyncIterator[SGLangEngine]:
-    fake = SGLangEngine()
-    await fake.start()
-    yield fake
-    await fake.stop()
-
 
 def sglang_settings(url: str) -> Settings:
     return sidecar_settings(url, engines={"local": {"kind": "sglang", "url": url,

@@ -14,12 +14,11 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import Awaitable, Callable
 from typing import Any
 
 import aiohttp
 import pytest
-import pytest_asyncio
 from prometheus_client import CollectorRegistry
 from prometheus_client.parser import text_string_to_metric_families
 
@@ -29,6 +28,7 @@ from sidecar.server import Servers
 from tests.conftest import sidecar_settings
 from tests.fake_engine import FakeEngine
 from tests.kind_engines import SGLangEngine
+from tests.support import no_event
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -45,14 +45,6 @@ SID = "0123456789abcdef0123456789abcdef"
 
 
 # -- helpers ------------------------------------------------------------------------------------
-
-@pytest_asyncio.fixture
-async def sglang() -> AsyncIterator[SGLangEngine]:
-    fake = SGLangEngine()
-    await fake.start()
-    yield fake
-    await fake.stop()
-
 
 def sglang_config(url: str, **overrides: Any) -> Settings:
     # A short grace: a failing test leaves a stream open, and teardown should not wait 30 s.
@@ -85,11 +77,7 @@ async def counted(admin_port: int | None) -> dict[tuple[str, str], float]:
 
 async def quiet(event: asyncio.Event) -> bool:
     """True if ``event`` stays unset for ``QUIET_S``."""
-    try:
-        await asyncio.wait_for(event.wait(), QUIET_S)
-    except TimeoutError:
-        return True
-    return False
+    return await no_event(event, QUIET_S)
 
 
 async def no_call(fake: SGLangEngine) -> bool:
