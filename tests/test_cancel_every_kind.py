@@ -115,6 +115,7 @@ BYSTANDER = "?tokens=40&interval=0.01"
 class Deployment:
     """A fake engine of one kind and the sidecar in front of it (its proxy and admin ports)."""
 
+    name: str  # the KINDS key
     kind: Kind
     fake: KindEngine
     port: int
@@ -131,7 +132,7 @@ async def deployment(request: pytest.FixtureRequest, start_sidecar: Callable[...
     settings = sidecar_settings(fake.url, engines={"local": kind.engine(fake.url)},
                                 lifecycle={"grace_period_s": 1.0})
     servers: Servers = await start_sidecar(settings)
-    yield Deployment(kind, fake, servers.proxy_port, servers.admin_port or 0)
+    yield Deployment(request.param, kind, fake, servers.proxy_port, servers.admin_port or 0)
     await fake.stop()
 
 
@@ -186,7 +187,7 @@ async def check_stopped(stalls: Stalls, d: Deployment, victim: Work, at: float, 
         assert victim.stopped_at is not None
         note += f", work stopped {ms(stalls.check('the work to stop', at, victim.stopped_at))}"
     await settle(d.port)
-    print(f"[{label}] {note}{stalls.note(at, victim.stopped_at or victim.closed_at)}")
+    print(f"[{d.name} {label}] {note}{stalls.note(at, victim.stopped_at or victim.closed_at)}")
     calls = fake.calls
     if not kind.calls:
         assert calls == [] and fake.unknown_paths == [], (
@@ -379,7 +380,7 @@ async def test_cli_stops_the_work_of_a_client_that_left(kind: str, tmp_path: Pat
     try:
         tree = config_tree(fake.url, engines={"local": spec.engine(fake.url)})
         async with cli_process(tmp_path, tree) as cli:
-            d = Deployment(spec, fake, cli.proxy_port, cli.admin_port)
+            d = Deployment(kind, spec, fake, cli.proxy_port, cli.admin_port)
             path, body = spec.routes["chat"]
             async with raw_client(d.port, stalls) as c:
                 c.send("POST", f"{path}?tokens=3000&interval=0.01", request_body(body, True))
