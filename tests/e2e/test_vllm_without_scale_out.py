@@ -82,7 +82,8 @@ def readyz(sc: SidecarProcess) -> tuple[int, str]:
         with urllib.request.urlopen(f"{sc.admin_url}/readyz", timeout=5) as r:
             return r.status, r.read().decode()
     except urllib.error.HTTPError as e:
-        return e.code, e.read().decode()
+        with e:  # it holds the connection open until closed
+            return e.code, e.read().decode()
 
 
 def test_the_403_is_reported_with_its_fix_and_readiness_stays_false(
@@ -92,6 +93,7 @@ def test_the_403_is_reported_with_its_fix_and_readiness_stays_false(
                                     headers={"Content-Type": "application/json"})
     with pytest.raises(urllib.error.HTTPError) as refused:
         urllib.request.urlopen(direct, timeout=5)
+    refused.value.close()  # it holds the connection open until closed
     assert refused.value.code == 403, f"expected vLLM's own 403, got {refused.value.code}"
     deadline = time.monotonic() + ANSWER_S
     while HINT not in sidecar.log_text():

@@ -127,6 +127,7 @@ def _http_status(url: str, timeout: float = 2.0) -> int | None:
         with urllib.request.urlopen(url, timeout=timeout) as r:
             return r.status
     except urllib.error.HTTPError as e:
+        e.close()  # it holds the connection open until closed
         return e.code
     except (urllib.error.URLError, OSError):
         return None
