@@ -77,6 +77,7 @@ from sidecar.upstream import (
 log = logging.getLogger(__name__)
 
 REQUEST_ID = "X-Request-Id"
+SHOULD_RETRY = "X-Should-Retry"  # the openai SDKs' retry override (not a standard header)
 CLIENT_REQUEST_ID = "X-Client-Request-Id"
 SSE_DONE = b"data: [DONE]\n\n"
 # A client's deadline for its request, seconds (a positive decimal number); it can only lower the
@@ -462,6 +463,10 @@ class Exchange:
     async def _cancelled_before_head(self, ending: Ending) -> web.StreamResponse:
         response = error_response(ending.status, ending.message, ending.error_type, self.id)
         response.set_status(ending.status, ending.status_reason)
+        # The openai SDKs retry a 5xx (max_retries 2 by default) unless told not to
+        # (openai-python _base_client.py, _should_retry: "x-should-retry: false" wins): a
+        # retried deadline would run the request again, to the same deadline, for nothing.
+        response.headers[SHOULD_RETRY] = "false"
         if self.phase == "request_body":
             response.force_close()  # the rest of the body is never read
         try:

@@ -70,6 +70,7 @@ class Work:
     closed_at: float | None = None  # its connection went away before the response ended
     stopped_at: float | None = None
     finished: bool = False  # it ran to its end (for a client, or for nobody)
+    events: int = 0  # SSE token events written to its connection
     stop: asyncio.Event = field(default_factory=asyncio.Event, repr=False)
 
     @property
@@ -253,6 +254,9 @@ class KindEngine:
             if work.stop.is_set():
                 break
             await response.write(_sse({"id": ident, "choices": [{"index": 0, "text": f"t{i}"}]}))
+            work.events += 1
+            if work.events == 1:
+                self.watch.changed()
             await _wait(work.stop, interval)
         reason = "abort" if work.stop.is_set() else "stop"
         await response.write(_sse({"id": ident, "choices": [{"index": 0, "text": "",

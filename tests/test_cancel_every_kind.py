@@ -369,6 +369,61 @@ async def test_aiohttp_client_cancelled_while_waiting(deployment: Deployment,
         await check_stopped(stalls, d, d.fake.works[0], at, "aiohttp cancel")
 
 
+# -- the cancel API and deadlines: the client stays, the work stops ----------------------------
+
+ENDINGS = {  # how the request ends early -> (SDK status for a JSON answer, error type)
+    "cancel_api": (499, "cancelled"),
+    "deadline": (504, "deadline_exceeded"),
+}
+
+
+@pytest.mark.parametrize("stream", [True, False], ids=["stream", "non_stream"])
+@pytest.mark.parametrize("ending", sorted(ENDINGS))
+@pytest.mark.parametrize("deployment", sorted(KINDS), indirect=True)
+async def test_cancel_api_and_deadline_stop_the_work_of_a_client_that_stays(
+        deployment: Deployment, stalls: Stalls, ending: str, stream: bool) -> None:
+    """The client (the openai SDK, its default retries on) stays connected; the admin cancel
+    API or an ``X-Sidecar-Deadline-S`` of 0.5 s ends its request: the SDK raises the error the
+    sidecar sent (mid-stream: the final SSE error event; else the 499/504 JSON) and does not
+    retry, and the engine's work stops as after a disconnect (see the module docstring)."""
+    d, fake = deployment, deployment.fake
+    headers = {"X-Sidecar-Deadline-S": "0.5"} if ending == "deadline" else {}
+    status, kind = ENDINGS[ending]
+    async with openai.AsyncOpenAI(base_url=f"http://127.0.0.1:{d.port}/v1", api_key="unused",
+                                  default_headers=headers) as client:
+        async def call() -> None:
+            create = client.chat.completions.create
+            messages: Any = [{"role": "user", "content": "hi"}]
+            query = {"tokens": "3000", "interval": "0.01"}
+            if stream:
+                async for _ in await create(model="fake", messages=messages, stream=True,
+                                            extra_query=query):
+                    pass
+            else:
+                await create(model="fake", messages=messages, extra_query=query)
+
+        task = asyncio.ensure_future(call())
+        await until(stalls, fake, lambda: bool(fake.works) and (
+            not stream or fake.works[0].events > 0), "the request to be generating")
+        victim = fake.works[0]
+        at = victim.started + 0.5
+        if ending == "cancel_api":
+            at = time.monotonic()
+            async with aiohttp.ClientSession() as s, s.post(
+                    f"http://127.0.0.1:{d.admin}/v1/requests/{victim.request_id_header}/cancel"
+            ) as r:
+                answer = await r.json()
+            assert r.status == 200 and answer["cancelled"] is True, (r.status, answer)
+        with pytest.raises(openai.APIError) as caught:
+            await stalls.wait(task, "the SDK call to end")
+        await check_stopped(stalls, d, victim, at, f"{ending} {'stream' if stream else 'json'}")
+    error = caught.value
+    assert isinstance(error.body, dict) and error.body.get("type") == kind, error.body
+    if not stream:
+        assert isinstance(error, openai.APIStatusError) and error.status_code == status, error
+    assert len(fake.works) == 1, f"the SDK must not retry an ended request: {fake.works}"
+
+
 # -- the production entrypoint: python -m sidecar ---------------------------------------------
 
 @pytest.mark.parametrize("kind", sorted(KINDS))

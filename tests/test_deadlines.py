@@ -119,17 +119,22 @@ async def test_deadline_while_queued_answers_504_json(
     assert values.get(("cancel_sidecar_deadline_exceeded_total", labels)) == 1.0, values
 
 
-async def test_deadline_non_streaming_answers_504_and_the_sdk_does_not_hang(
+async def test_deadline_non_streaming_answers_504_and_the_sdk_does_not_retry(
         engine: FakeEngine, start_sidecar: Callable[..., Any]) -> None:
+    """The SDK retries a 5xx twice by default; ``X-Should-Retry: false`` stops it (a retry would
+    run the request again to the same deadline: three times the engine work)."""
     servers: Servers = await start_sidecar(sidecar_settings(engine.url, routes=route(0.5)))
     async with asyncio.timeout(WAIT_S), openai.AsyncOpenAI(
             base_url=f"http://127.0.0.1:{servers.proxy_port}/v1", api_key="client-key",
-            max_retries=0) as client:
+            max_retries=2) as client:
         with pytest.raises(openai.APIStatusError) as caught:
             await client.chat.completions.create(
                 model="m", messages=[{"role": "user", "content": "hi"}],
                 extra_query={"tokens": 1000, "interval": 0.01})
     assert caught.value.status_code == 504, f"got {caught.value!r}"
+    assert caught.value.response.headers.get("x-should-retry") == "false"
+    assert len(engine.record.generations) == 1, (
+        f"expected no retry, the engine got {len(engine.record.generations)} requests")
     request_id = caught.value.response.headers.get("x-request-id")
     assert request_id, caught.value.response.headers
     await aborted_once(engine, [f"chatcmpl-{request_id}"], servers.proxy_port)
