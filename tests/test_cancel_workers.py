@@ -264,6 +264,55 @@ async def test_a_stopped_worker_neither_hides_nor_delays_a_request_found_on_anot
     assert after[0] == 404, f"expected 404 once the worker runs again, got {after}"
 
 
+async def test_cancel_while_stopping_skips_the_worker_that_already_exited(
+        engine: FakeEngine, tmp_path: Path) -> None:
+    """SIGTERM with one stream in flight: the idle worker exits at once, the other drains (grace
+    period 20 s). The exited worker is not asked (an unknown id is 404, not 502), and the stream
+    is still cancellable through the supervisor, which then exits 0."""
+    tree = config_tree(engine.url, grace_s=20.0)
+    async with (cli_process(tmp_path, tree, "--workers", "2") as cli, AsyncExitStack() as stack,
+                aiohttp.ClientSession() as admin, asyncio.timeout(60)):
+        workers = psutil.Process(cli.proc.pid).children()
+        reader, _, request_id = await open_stream(stack, cli.proxy_port)
+        held = upstream_connections(workers, engine_port(engine))
+        idle = next(w for w in workers if not held[w.pid])
+        cli.signal(signal.SIGTERM)
+        await asyncio.to_thread(idle.wait, WAIT_S)
+        unknown = await cancel(admin, cli.admin_port, "0" * 32)
+        found = await cancel(admin, cli.admin_port, request_id)
+        rest = await read_to_end(reader)
+        code = await cli.wait_exit()
+    assert (unknown[0], unknown[1]["error"]["type"]) == (404, "not_found"), (
+        f"expected the exited worker not asked, got {unknown}")
+    assert found == (200, {"id": request_id, "cancelled": True, "phase": "streaming"}), found
+    assert rest.body.endswith(CANCELLED_EVENT), rest.body[-200:]
+    assert code == 0, f"expected exit 0, got {code}; stderr:\n{cli.stderr}"
+    assert engine.record.aborted_ids() == [f"chatcmpl-{request_id}"], engine.record.aborts
+
+
+async def test_without_an_admin_listener_workers_get_no_control_socket(
+        engine: FakeEngine, tmp_path: Path) -> None:
+    config = tmp_path / "sidecar.yaml"
+    config.write_text(yaml.safe_dump(config_tree(engine.url, admin=None)))
+    proc = await asyncio.create_subprocess_exec(
+        sys.executable, "-m", "sidecar", "--config", str(config), "--workers", "2", cwd=REPO,
+        stdin=asyncio.subprocess.DEVNULL, stdout=asyncio.subprocess.PIPE,
+        stderr=asyncio.subprocess.DEVNULL)
+    try:
+        assert proc.stdout is not None
+        line = await asyncio.wait_for(proc.stdout.readline(), WAIT_S)
+        workers = psutil.Process(proc.pid).children()
+        args = [w.cmdline() for w in workers]
+        unix = [c.laddr for w in workers for c in w.net_connections("unix") if c.laddr]
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        code = await asyncio.wait_for(proc.wait(), WAIT_S)
+    assert line.startswith(b"cancel-sidecar: proxy on ") and b"admin" not in line, line
+    assert len(args) == 2 and not any("--worker-control" in a for a in args), args
+    assert unix == [], f"expected no Unix listener without an admin listener, got {unix}"
+    assert code == 0, f"expected exit 0, got {code}"
+
+
 async def test_a_run_directory_too_long_for_a_unix_socket_path_fails_the_start(
         engine: FakeEngine, tmp_path: Path) -> None:
     long_tmp = tmp_path / ("t" * 100)
