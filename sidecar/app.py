@@ -19,7 +19,7 @@ from aiohttp.typedefs import Handler
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
 
 from sidecar.abort import MAX_CONCURRENT_CALLS, Aborter
-from sidecar.cancel import add_cancel_route
+from sidecar.cancel import Canceller, add_cancel_route, local_canceller
 from sidecar.config import Settings
 from sidecar.keys import ABORTER, EXCHANGES, METRICS, READINESS, REGISTRY, RUNTIME, SETTINGS, TASKS
 from sidecar.metrics import Metrics
@@ -152,20 +152,27 @@ async def _metrics(request: web.Request) -> web.Response:
 
 
 def make_admin_app(runtimes: Runtimes, registry: CollectorRegistry,
-                   exchanges: dict[str, Exchange] | None = None) -> web.Application:
+                   canceller: Canceller) -> web.Application:
     """The admin application: ``/healthz``, ``/readyz`` (the engines of ``runtimes.current``;
     its :class:`~sidecar.readiness.Readiness` under ``keys.READINESS``, for the startup check),
     ``/metrics`` (Prometheus text of ``registry``), and the cancel API (:mod:`sidecar.cancel`)
-    for the proxy's ``exchanges`` (``None``: the requests are in other processes, 501)."""
+    looking ids up with ``canceller`` (this process's requests, or the workers')."""
     app = web.Application()
     app[RUNTIME] = runtimes
     app[READINESS] = Readiness(runtimes)
     app[REGISTRY] = registry
-    if exchanges is not None:
-        app[EXCHANGES] = exchanges
     admin = runtimes.current.settings.admin
-    add_cancel_route(app, admin.cancel_token if admin is not None else None)
+    add_cancel_route(app, admin.cancel_token if admin is not None else None, canceller)
     app.router.add_get("/healthz", _healthz)
     app.router.add_get("/readyz", _readyz)
     app.router.add_get("/metrics", _metrics)
+    return app
+
+
+def make_control_app(exchanges: dict[str, Exchange]) -> web.Application:
+    """A ``--workers`` worker's control application: only the cancel API, for this worker's
+    ``exchanges``, without a token (the supervisor checks it; the listener is a Unix socket in
+    a directory only this user can enter, :mod:`sidecar.workers`)."""
+    app = web.Application()
+    add_cancel_route(app, None, local_canceller(exchanges))
     return app

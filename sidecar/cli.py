@@ -65,6 +65,8 @@ def _parser() -> argparse.ArgumentParser:
                    help="proxy processes sharing the listen port (default: %(default)s)")
     # Internal: how the supervisor starts a worker (proxy only, SO_REUSEPORT on this port).
     p.add_argument("--worker-port", type=int, default=None, help=argparse.SUPPRESS)
+    # Internal: the Unix socket where a worker serves its cancel API to the supervisor.
+    p.add_argument("--worker-control", type=Path, default=None, help=argparse.SUPPRESS)
     return p
 
 
@@ -89,17 +91,20 @@ def _reload(path: Path, apply: Callable[[Settings], tuple[list[str], list[str]]]
              "; ".join(applied) if applied else "no change applies to requests")
 
 
-async def _serve(settings: Settings, config: Path, worker_port: int | None = None) -> None:
+async def _serve(settings: Settings, config: Path, worker_port: int | None = None,
+                 worker_control: Path | None = None) -> None:
     """One process: the proxy and admin listeners, or (``worker_port``) a supervised worker's
-    proxy listener on that port with SO_REUSEPORT."""
+    proxy listener on that port with SO_REUSEPORT, and its control listener on the Unix socket
+    ``worker_control`` (the cancel API, for the supervisor)."""
     worker = worker_port is not None
     try:
         servers = await server.start(settings, port=worker_port, reuse_port=worker,
-                                     admin=not worker)
+                                     admin=not worker, control=worker_control)
     except OSError as exc:  # bind/resolve errors name the address: "[Errno 98] ... ('h', p)"
         admin = settings.admin
         where = f"listen {settings.listen.host}:{settings.listen.port}, admin " + (
-            f"{admin.host}:{admin.port}" if admin else "off")
+            f"{admin.host}:{admin.port}" if admin else "off") + (
+            f", control {worker_control}" if worker_control else "")
         raise ListenError(f"cannot listen ({where}): {exc}") from exc
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
@@ -150,7 +155,7 @@ def main(argv: list[str] | None = None) -> int:
                 settings, args.config, args.workers, worker_args,
                 lambda: read_new_config(args.config)).run())
         try:
-            runner.run(_serve(settings, args.config, args.worker_port))
+            runner.run(_serve(settings, args.config, args.worker_port, args.worker_control))
         except ListenError as exc:
             print(f"cancel-sidecar: {exc}", file=sys.stderr)
             return 1

@@ -28,7 +28,8 @@ ABORTER = web.AppKey("aborter", Aborter)
 RUNTIME: web.AppKey[Runtimes] = web.AppKey("runtime")
 # Requests in flight by sidecar request id (the X-Request-Id returned to the client), for the
 # cancel API (sidecar.cancel): added when proxy.handle creates the Exchange, removed as it ends.
-# On the proxy app, and on the admin app of the same process (absent under --workers N).
+# On the proxy app; the admin listener of the same process (or a --workers worker's control
+# listener) reads it through cancel.local_canceller.
 EXCHANGES: web.AppKey[dict[str, Exchange]] = web.AppKey("exchanges")
 # Engine readiness with the last verdict per engine (sidecar.readiness), on the admin app:
 # /readyz and the startup check share it, so their verdicts and log lines agree.

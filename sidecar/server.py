@@ -36,12 +36,15 @@ from __future__ import annotations
 import gc
 import logging
 import time
+from contextlib import suppress
 from dataclasses import dataclass
+from pathlib import Path
 
 from aiohttp import web
 from prometheus_client import CollectorRegistry
 
-from sidecar.app import make_admin_app, make_app
+from sidecar.app import make_admin_app, make_app, make_control_app
+from sidecar.cancel import CONTROL_IDLE_S, local_canceller
 from sidecar.config import Settings
 from sidecar.downstream import DownstreamRunner
 from sidecar.keys import EXCHANGES, RUNTIME
@@ -62,6 +65,8 @@ class Servers:
     admin: web.AppRunner | None
     proxy_port: int
     admin_port: int | None
+    control: web.AppRunner | None = None  # a --workers worker's control listener
+    control_path: Path | None = None  # ... and its Unix socket, removed at stop
 
     @property
     def app(self) -> web.Application:
@@ -92,6 +97,11 @@ class Servers:
         await self.proxy.cleanup()
         if self.admin is not None:
             await self.admin.cleanup()
+        if self.control is not None:
+            await self.control.cleanup()
+        if self.control_path is not None:
+            with suppress(FileNotFoundError):
+                self.control_path.unlink()
         log.info("stopped in %.2f s (%d request(s) finished during the drain, %d cancelled)",
                  time.monotonic() - started, finished, cancelled)
 
@@ -111,12 +121,14 @@ def _bound_port(runner: web.AppRunner) -> int:
 
 async def start(settings: Settings, registry: CollectorRegistry | None = None, *,
                 port: int | None = None, reuse_port: bool = False,
-                admin: bool = True) -> Servers:
+                admin: bool = True, control: Path | None = None) -> Servers:
     """Start the proxy and admin listeners exactly as production runs them.
 
     ``port`` overrides ``settings.listen.port`` and ``reuse_port`` sets SO_REUSEPORT (a worker
     of :mod:`sidecar.workers`, sharing the port its supervisor chose); ``admin=False`` leaves
-    the admin listener to the supervisor. Raises ``OSError`` if a port cannot be bound.
+    the admin listener to the supervisor. ``control`` (a worker) also serves this process's
+    cancel API without a token on a Unix socket at that path, for the supervisor
+    (:mod:`sidecar.cancel`); never on TCP. Raises ``OSError`` if an address cannot be bound.
     """
     registry = registry or CollectorRegistry()
     app = make_app(settings, registry)
@@ -131,14 +143,20 @@ async def start(settings: Settings, registry: CollectorRegistry | None = None, *
     admin_runner = None
     admin_port = None
     if admin and settings.admin is not None:
-        admin_runner = DownstreamRunner(make_admin_app(app[RUNTIME], registry, app[EXCHANGES]),
-                                        access_log=None, shutdown_timeout=1.0,
-                                        keepalive_timeout=idle_s)
+        admin_runner = DownstreamRunner(
+            make_admin_app(app[RUNTIME], registry, local_canceller(app[EXCHANGES])),
+            access_log=None, shutdown_timeout=1.0, keepalive_timeout=idle_s)
         await admin_runner.setup()
         await web.TCPSite(admin_runner, settings.admin.host, settings.admin.port).start()
         admin_port = _bound_port(admin_runner)
+    control_runner = None
+    if control is not None:
+        control_runner = DownstreamRunner(make_control_app(app[EXCHANGES]), access_log=None,
+                                          shutdown_timeout=1.0, keepalive_timeout=CONTROL_IDLE_S)
+        await control_runner.setup()
+        await web.UnixSite(control_runner, control).start()
     tune_gc()
     log.info("proxy listening on %s:%d, admin on %s", settings.listen.host, proxy_port,
              f"{settings.admin.host}:{admin_port}" if admin_runner and settings.admin
              else "(disabled)")
-    return Servers(proxy, admin_runner, proxy_port, admin_port)
+    return Servers(proxy, admin_runner, proxy_port, admin_port, control_runner, control)

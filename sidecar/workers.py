@@ -2,9 +2,18 @@
 
 Shape::
 
-    supervisor (this module)     admin listener: /healthz, /readyz, /metrics summed over workers
-      ├── worker 1: python -m sidecar --config FILE --worker-port P   (proxy only, SO_REUSEPORT)
+    supervisor (this module)     admin listener: /healthz, /readyz, /metrics summed over workers,
+      │                          the cancel API (asks every worker, sidecar.cancel)
+      ├── worker 1: python -m sidecar --config FILE --worker-port P --worker-control SOCKET
+      │             proxy listener (SO_REUSEPORT); control listener on the Unix socket
+      │             RUN_DIR/worker-1.sock (the cancel API for this worker's requests, nothing else)
       └── worker N: ...
+
+Run directory: a fresh temporary directory per run, mode 0700 (only this user can enter it, so
+only this user can connect to the sockets in it), removed at exit with everything in it. It
+holds the workers' control sockets and ``metrics/``. Control listeners are Unix sockets only,
+never TCP: nothing listens beyond what the config says. The cancel token is checked by the
+supervisor's admin listener; the control listeners have none.
 
 The supervisor binds the proxy address itself first (SO_REUSEPORT, not listening) so that a
 configured port 0 becomes one real port every worker shares, and holds it until every worker
@@ -18,8 +27,8 @@ file, on its own); SIGHUP also reloads the supervisor's engines for ``/readyz``.
 when every worker exited 0 after a stop; 1 if a worker died unexpectedly (the others are then
 stopped) or failed to start.
 
-Metrics: prometheus-client's multiprocess mode. ``PROMETHEUS_MULTIPROC_DIR`` is a fresh
-temporary directory per run (removed at exit); workers write their samples there, the admin
+Metrics: prometheus-client's multiprocess mode. ``PROMETHEUS_MULTIPROC_DIR`` is ``metrics/`` in
+the run directory; workers write their samples there, the admin
 side sums them with ``MultiProcessCollector``; a worker's live gauges are dropped when it exits
 (``mark_process_dead``).
 """
@@ -42,6 +51,7 @@ from aiohttp import web
 from prometheus_client import CollectorRegistry, multiprocess
 
 from sidecar.app import make_admin_app
+from sidecar.cancel import WorkerCanceller
 from sidecar.config import Settings
 from sidecar.downstream import DownstreamRunner
 from sidecar.readiness import startup_check
@@ -51,6 +61,7 @@ from sidecar.tasks import TaskSet
 log = logging.getLogger(__name__)
 
 READY_S = 30.0  # how long a worker may take to start listening
+UNIX_PATH_MAX = 107  # bytes in a Unix socket path (Linux sun_path: 108 with the final NUL)
 WORKER_READY = re.compile(r"cancel-sidecar worker: proxy on (.+):(\d+)$")
 
 
@@ -81,19 +92,31 @@ class Supervisor:
         self.worker_args = worker_args
         self.reload_config = reload
         self.procs: list[asyncio.subprocess.Process] = []
+        self.controls: dict[int, Path] = {}  # worker pid -> its control socket
         self.tasks = TaskSet()
         self.stopping = False
         self.failed = False
-        self.metrics_dir = Path(tempfile.mkdtemp(prefix="cancel-sidecar-metrics-"))
+        self.run_dir = Path(tempfile.mkdtemp(prefix="cancel-sidecar-"))  # 0700 (mkdtemp)
+        self.run_dir.chmod(0o700)  # said twice: the control sockets' only access control
+        self.metrics_dir = self.run_dir / "metrics"
+        self.metrics_dir.mkdir(mode=0o700)
 
     async def run(self) -> int:
         """Run until the workers exit; returns the exit status."""
         try:
             return await self._run()
         finally:
-            shutil.rmtree(self.metrics_dir, ignore_errors=True)
+            shutil.rmtree(self.run_dir, ignore_errors=True)
+
+    def _control_path(self, n: int) -> Path:
+        return self.run_dir / f"worker-{n}.sock"
 
     async def _run(self) -> int:
+        longest = self._control_path(self.count)
+        if self.settings.admin is not None and len(os.fsencode(longest)) > UNIX_PATH_MAX:
+            log.error("the workers' control socket path %s is over the %d bytes a Unix socket "
+                      "path may have: set TMPDIR to a shorter directory", longest, UNIX_PATH_MAX)
+            return 1
         try:
             reserved = reserve_port(self.settings.listen.host, self.settings.listen.port)
         except OSError as exc:
@@ -135,13 +158,18 @@ class Supervisor:
 
     async def _spawn_all(self, port: int) -> bool:
         """Start every worker and wait until each listens on ``port``; False if one failed."""
-        for _ in range(self.count):
+        for n in range(1, self.count + 1):
+            control = self._control_path(n)
+            # A control listener only for the admin listener's cancel API: none without one.
+            control_args = [] if self.settings.admin is None else [
+                "--worker-control", str(control)]
             proc = await asyncio.create_subprocess_exec(
                 sys.executable, "-m", "sidecar", "--config", str(self.config),
-                "--worker-port", str(port), *self.worker_args,
+                "--worker-port", str(port), *control_args, *self.worker_args,
                 stdin=asyncio.subprocess.DEVNULL, stdout=asyncio.subprocess.PIPE,
                 env=self._worker_env())
             self.procs.append(proc)
+            self.controls[proc.pid] = control
         for proc in self.procs:
             assert proc.stdout is not None
             try:
@@ -168,12 +196,23 @@ class Supervisor:
         registry = CollectorRegistry()
         multiprocess.MultiProcessCollector(  # type: ignore[no-untyped-call]
             registry, path=str(self.metrics_dir))
-        runner = DownstreamRunner(make_admin_app(runtimes, registry), access_log=None,
+        canceller = WorkerCanceller(self._live_controls)
+        app = make_admin_app(runtimes, registry, canceller)
+
+        async def close_canceller(_: web.Application) -> None:
+            await canceller.close()
+
+        app.on_cleanup.append(close_canceller)
+        runner = DownstreamRunner(app, access_log=None,
                                   shutdown_timeout=1.0,
                                   keepalive_timeout=self.settings.downstream.idle_timeout_s)
         await runner.setup()
         await web.TCPSite(runner, self.settings.admin.host, self.settings.admin.port).start()
         return runner, int(runner.addresses[0][1])
+
+    def _live_controls(self) -> list[tuple[int, Path]]:
+        """(pid, control socket) of every worker still running, for the cancel API."""
+        return [(p.pid, self.controls[p.pid]) for p in self.procs if p.returncode is None]
 
     def _mark_dead(self, pid: int) -> None:
         """Drop an exited worker's live gauges (its counters still count)."""

@@ -3,9 +3,10 @@ flight: the engine is aborted once with exactly its ids, the upstream closed, an
 response ended (a JSON 499 before the head; mid-SSE a final ``error`` event the openai SDK raises
 as ``APIError``, then the end of the stream).
 
-Production wiring throughout: :func:`sidecar.server.start` (the ``start_sidecar`` fixture) and,
-for ``--workers 2``, the real CLI subprocess. Clients are raw sockets (to see the chunk framing
-and how the body ended), aiohttp and the openai SDK; the engine is :mod:`tests.fake_engine`.
+Production wiring throughout: :func:`sidecar.server.start` (the ``start_sidecar`` fixture);
+``--workers 2`` (the supervisor asking its workers) is ``tests/test_cancel_workers.py``.
+Clients are raw sockets (to see the chunk framing and how the body ended), aiohttp and the
+openai SDK; the engine is :mod:`tests.fake_engine`.
 Waits are event-driven with a generous limit (``WAIT_S``).
 """
 
@@ -28,7 +29,6 @@ from sidecar.config import load_config, parse_config
 from sidecar.errors import ConfigError
 from sidecar.server import Servers
 from tests import rawhttp
-from tests.cli_process import cli_process, config_tree
 from tests.conftest import sidecar_settings
 from tests.fake_engine import FakeEngine
 
@@ -239,12 +239,6 @@ async def test_the_proxy_listener_proxies_the_cancel_path_to_the_engine(
         await r.read()
     assert [seen.method for seen in engine.watch.on(path)] == ["POST"], (
         f"expected the engine to get the request, saw {[s.path for s in engine.watch.seen]}")
-
-
-async def test_workers_supervisor_answers_501(engine: FakeEngine, tmp_path: Path) -> None:
-    async with cli_process(tmp_path, config_tree(engine.url), "--workers", "2") as cli:
-        status, answer = await cancel(cli.admin_port, "0" * 32)
-    assert status == 501 and "--workers 1" in answer["error"]["message"], (status, answer)
 
 
 def test_cancel_api_example_loads_and_masks_the_token() -> None:
