@@ -93,6 +93,8 @@ ABORT_STATUS_HINTS = {
     502: "a proxy in front of the engine could not reach it",
     503: "the engine, or a proxy in front of it, is overloaded or not ready",
     504: "a proxy in front of the engine got no answer from it",
+    **dict.fromkeys((301, 302, 303, 307, 308), "a redirect, not followed: point engines.*.url "
+                    "and abort.path at the engine itself"),
 }
 _TIMEOUT_HINT = "the engine accepted the call but did not answer within abort.timeout_s"
 _UNEXPECTED_HINT = ("the abort call could not be made; check engines.*.abort (e.g. a key aiohttp "
@@ -336,7 +338,9 @@ class Aborter:
         sent = time.monotonic()
         try:
             async with asyncio.timeout(timeout_s):
-                async with self._session.post(url, json=call.json,
+                # Never follow a redirect: the ids (and the key, were aiohttp to keep it) would
+                # go to another origin, and its 200 would say an abort happened that did not.
+                async with self._session.post(url, json=call.json, allow_redirects=False,
                                               headers=engine.abort_headers()) as resp:
                     await resp.read()
                     status = resp.status

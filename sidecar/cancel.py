@@ -72,7 +72,9 @@ def _authorized(request: web.Request) -> bool:
     token = request.app[CANCEL_TOKEN]
     if token is None:
         return True  # open: the admin listener is loopback-only unless configured otherwise
-    given = request.headers.get("Authorization", "").encode()
+    # aiohttp decodes header bytes as UTF-8 with surrogateescape: encode them back the same
+    # way (a plain encode() raised on a non-UTF-8 header: a 500 for anyone reaching the port).
+    given = request.headers.get("Authorization", "").encode("utf-8", "surrogateescape")
     expected = b"Bearer " + token.get_secret_value().encode()
     return hmac.compare_digest(given, expected)
 

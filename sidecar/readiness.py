@@ -82,14 +82,14 @@ async def check_engine(session: aiohttp.ClientSession, adapter: EngineAdapter) -
     url = adapter.base_url + adapter.health_path
     try:
         async with asyncio.timeout(READY_TIMEOUT_S):
-            async with session.get(url) as resp:
+            async with session.get(url, allow_redirects=False) as resp:
                 await resp.read()
                 if resp.status >= 300:
                     return f"{url} answered {resp.status}"
             probe = (f"{PROBE_PREFIX}{uuid.uuid4().hex}",)
             for call in adapter.abort_calls(probe) if adapter.aborts else ():
                 url = adapter.base_url + call.path
-                async with session.post(url, json=call.json,
+                async with session.post(url, json=call.json, allow_redirects=False,
                                         headers=adapter.abort_headers()) as resp:
                     await resp.read()
                     if resp.status >= 300:

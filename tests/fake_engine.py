@@ -87,6 +87,7 @@ class EngineRecord:
     abort_script: list[int] = field(default_factory=list)
     abort_key: str | None = None
     abort_gate: asyncio.Event | None = None
+    abort_redirect: str | None = None  # answer every abort call (probes too) 307 to this URL
     abort_event: asyncio.Event = field(default_factory=asyncio.Event)
     closed_event: asyncio.Event = field(default_factory=asyncio.Event)
     started_event: asyncio.Event = field(default_factory=asyncio.Event)
@@ -181,6 +182,8 @@ class FakeEngine:
         if record.abort_key is not None and (
                 request.headers.get("Authorization") != f"Bearer {record.abort_key}"):
             return web.Response(status=401)
+        if record.abort_redirect is not None:
+            raise web.HTTPTemporaryRedirect(record.abort_redirect)
         if probe:
             return web.Response(status=record.abort_status)
         status = record.abort_script.pop(0) if record.abort_script else record.abort_status

@@ -230,6 +230,24 @@ async def test_cancel_token_is_required_when_configured(
     assert TOKEN not in caplog.text, "the cancel token must never be logged"
 
 
+@pytest.mark.parametrize("value", [b"Bearer \xe9", b"\xff\xfe",
+                                   b"Bearer " + TOKEN.encode() + b"\x80"])
+async def test_a_token_that_is_not_utf8_is_401_not_500(
+        engine: FakeEngine, start_sidecar: Callable[..., Any],
+        caplog: pytest.LogCaptureFixture, value: bytes) -> None:
+    """Header bytes that are not UTF-8 (aiohttp keeps them as surrogates) are a wrong token:
+    401, no traceback. Before, encoding them back raised: a 500 for anyone reaching the port."""
+    caplog.set_level(logging.DEBUG)
+    servers: Servers = await start_sidecar(sidecar_settings(
+        engine.url, admin={"cancel_token": TOKEN}))
+    raw = (b"POST /v1/requests/" + b"0" * 32 + b"/cancel HTTP/1.1\r\nHost: admin\r\n"
+           b"Authorization: " + value + b"\r\nContent-Length: 0\r\n\r\n")
+    response = await rawhttp.exchange(servers.admin_port or 0, raw, "POST")
+    assert response.status == 401, f"expected 401, got {response.status} {response.body!r}"
+    assert "Traceback" not in caplog.text and not any(
+        r.levelno >= logging.ERROR for r in caplog.records), caplog.text
+
+
 async def test_the_proxy_listener_proxies_the_cancel_path_to_the_engine(
         engine: FakeEngine, start_sidecar: Callable[..., Any]) -> None:
     servers: Servers = await start_sidecar(sidecar_settings(engine.url))

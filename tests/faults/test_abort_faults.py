@@ -515,3 +515,33 @@ async def test_a_call_keeps_its_slot_while_it_backs_off(
     values = await metrics(admin)
     calls = engine_samples(values, "cancel_sidecar_abort_calls_total", "local")
     assert calls == {"http_503": MAX_CALLS_PER_ENGINE, "ok": MAX_CALLS_PER_ENGINE + 1}, calls
+
+
+async def test_a_redirect_is_never_followed(
+        engine: FakeEngine, start_sidecar: Callable[..., Any], stalls: Stalls) -> None:
+    """An abort endpoint answering ``307 Location: <another engine>``: the ids go nowhere else
+    (no call reaches the other engine), the outcome is ``http_307``, not ``ok``, and ``/readyz``
+    says what to fix. Following it would send the ids to another origin and report an abort
+    that never happened."""
+    elsewhere = FakeEngine()
+    await elsewhere.start()
+    try:
+        engine.record.abort_redirect = f"{elsewhere.url}{ABORT_PATH}"
+        servers: Servers = await start_sidecar(sidecar_settings(engine.url))
+        async with raw_client(servers.proxy_port, stalls) as c:
+            c.send("POST", f"{CHAT}?tokens=1000", request_body({"messages": []}, True))
+            await c.head()
+            await c.read_until(b"data:")
+            c.disconnect("rst")
+            await upstream_closed(engine, stalls)
+        admin = servers.admin_port or 0
+        await wait_metric(stalls, admin, "cancel_sidecar_aborted_requests_total", 1,
+                          engine="local", outcome="http_307")
+        async with aiohttp.ClientSession() as s, s.get(f"http://127.0.0.1:{admin}/readyz") as r:
+            verdict = await r.json()
+        assert r.status == 503 and "answered 307" in verdict["engines"]["local"], verdict
+        assert len(engine.record.aborts) == 1, "a 307 is not retried"
+        assert elsewhere.record.aborts == [] and elsewhere.record.probes == [], (
+            "the redirect was followed: the ids reached another engine")
+    finally:
+        await elsewhere.stop()
