@@ -415,11 +415,14 @@ class Exchange:
         """The cancel API (or the deadline timer, with :data:`DEADLINE`): cancel the handler;
         :func:`handle` then calls :meth:`end_cancelled`. ``False`` if the request is already
         ending: another ending was requested, the client is gone (its disconnect is being
-        handled: the connection is lost or closing), or the handler is done. The first to ask
-        wins."""
+        handled: the connection is lost or closing), the handler is done, or the stream has
+        already relayed ``data: [DONE]`` (the client has its whole answer and the engine is
+        finished: an error event after it would contradict it, and there is nothing to abort;
+        the response ends with the engine's final chunk, or ``upstream.read_timeout_s``). The
+        first to ask wins."""
         transport = self.request.transport
         if (self.ending is not None or self.task is None or self.task.done()
-                or transport is None or transport.is_closing()):
+                or transport is None or transport.is_closing() or self.saw_done_event):
             return False
         self.ending = ending
         self.task.cancel(ending.reason)

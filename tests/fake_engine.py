@@ -9,6 +9,7 @@ query parameters, which the sidecar forwards untouched:
 - ``tokens`` (int, default 20) and ``interval`` (seconds between SSE events, default 0.01)
 - ``first_byte_delay`` (seconds before the response headers)
 - ``die_after`` (events) with ``die=fin|rst``: the engine dies mid-stream
+- ``hang_after_done`` (seconds): after ``data: [DONE]``, wait this long before the final chunk
 - ``chunk`` (bytes): for ``/bytes``, the body size
 - ``hold`` (seconds), on any route: wait this long before the handler runs (a slow
   non-generating route such as ``GET /v1/models``)
@@ -245,6 +246,7 @@ class FakeEngine:
             await asyncio.sleep(interval)
         await response.write(_sse("[DONE]"))
         gen.finished = True
+        await asyncio.sleep(_float(request, "hang_after_done", 0.0))
         await response.write_eof()
         return response
 

@@ -330,3 +330,37 @@ async def test_cancel_while_a_json_body_is_relayed_cuts_it_short(
     values = await metric_values(servers.admin_port)
     labels = frozenset({("route", "/"), ("phase", "awaiting_response")})
     assert values.get(("cancel_sidecar_cancelled_requests_total", labels)) == 1.0, values
+
+
+@pytest.mark.parametrize("ending", ["cancel_api", "deadline"])
+async def test_after_done_a_cancel_or_deadline_adds_nothing_to_the_stream(
+        engine: FakeEngine, start_sidecar: Callable[..., Any], ending: str) -> None:
+    """The stream relayed ``data: [DONE]`` but the engine holds its connection open a while
+    longer: the client has its whole answer, so a cancel is 404 and a deadline does nothing;
+    no error event ever follows ``[DONE]``, nothing is aborted, the stream ends with the
+    engine's final chunk. Before, both wrote an error event after ``[DONE]``."""
+    servers: Servers = await start_sidecar(sidecar_settings(engine.url))
+    body = chat_body(stream=True)
+    headers = [("Content-Type", "application/json"), ("Content-Length", str(len(body)))]
+    if ending == "deadline":
+        headers.append(("X-Sidecar-Deadline-S", "0.5"))
+    async with asyncio.timeout(WAIT_S), rawhttp.connect(servers.proxy_port) as (reader, writer):
+        writer.write(rawhttp.request_bytes(
+            "POST", f"{CHAT}?tokens=3&interval=0.01&hang_after_done=1.5", headers, body))
+        head = await rawhttp.read_head(reader)
+        request_id = head.get("X-Request-Id")
+        assert head.status == 200 and request_id, head
+        seen = await reader.readuntil(b"data: [DONE]\n\n\r\n")  # its chunk ends there
+        if ending == "cancel_api":
+            status, answer = await cancel(servers.admin_port, request_id)
+            assert status == 404, f"a finished stream cannot be cancelled: {status} {answer}"
+        rest = await rawhttp.read_body(reader, head, "POST")
+    assert rest.ending == "complete", f"expected the stream properly ended, got {rest.ending}"
+    assert b"error" not in rest.body and seen.count(b"data:") == 4, (seen, rest.body)
+    await asyncio.sleep(0.3)
+    assert engine.record.aborts == [], engine.record.aborted_ids()
+    values = await metric_values(servers.admin_port)
+    early = [(n, v) for (n, _), v in values.items() if v and n in (
+        "cancel_sidecar_cancelled_requests_total", "cancel_sidecar_deadline_exceeded_total",
+        "cancel_sidecar_client_disconnects_total")]
+    assert early == [], f"a completed stream counts as no early end: {early}"
