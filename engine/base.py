@@ -30,7 +30,37 @@ from collections.abc import MutableMapping
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
+from pydantic import TypeAdapter, ValidationError
+
 from sidecar.config import EngineKind, EngineSettings
+
+_LAX_INT: TypeAdapter[int] = TypeAdapter(int)
+_LAX_BOOL: TypeAdapter[bool] = TypeAdapter(bool)
+
+
+def lax_int(value: Any, default: int) -> int:
+    """``value`` read as an ``int`` field the way vLLM's and SGLang's pydantic request models
+    read it (pydantic v2 lax mode: ``"2"``, ``2.0`` and ``" 2 "`` are 2), else ``default``.
+    A body the engine would coerce must be judged by the coerced value: ``"n": "2"`` runs two
+    samples there."""
+    if type(value) is int:
+        return value
+    try:
+        return _LAX_INT.validate_python(value)
+    except ValidationError:
+        return default
+
+
+def lax_bool(value: Any) -> bool:
+    """``value`` read as a ``bool`` field as pydantic v2 lax mode does (``true``, ``1``,
+    ``"true"``, ``"1"``, ``"yes"``, ``"on"``, ``"t"``, ``"y"``, any case, are true); ``False``
+    for anything else."""
+    if value is True or value is False:
+        return value
+    try:
+        return _LAX_BOOL.validate_python(value)
+    except ValidationError:
+        return False
 
 
 def parse_json(body: bytes | None) -> Any:

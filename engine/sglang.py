@@ -39,7 +39,14 @@ import logging
 from collections.abc import MutableMapping
 from typing import Any
 
-from engine.base import AbortCall, EngineAdapter, Unabortable, parse_json, with_field
+from engine.base import (
+    AbortCall,
+    EngineAdapter,
+    Unabortable,
+    lax_int,
+    parse_json,
+    with_field,
+)
 from sidecar.config import EngineKind, EngineSettings
 
 log = logging.getLogger(__name__)
@@ -102,7 +109,8 @@ def samples(path: str, body: Any) -> int:
         n = params.get("n", 1) if isinstance(params, dict) else 1
     else:
         n = body.get("n", 1)
-    return n if isinstance(n, int) and not isinstance(n, bool) and n > 1 else 1
+    n = lax_int(n, 1)  # as SGLang's pydantic request models read it: "2" and 2.0 are 2
+    return n if n > 1 else 1
 
 
 class SGLangAdapter(EngineAdapter):

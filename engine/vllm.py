@@ -53,7 +53,14 @@ from __future__ import annotations
 from collections.abc import Callable, MutableMapping
 from typing import Any
 
-from engine.base import AbortCall, EngineAdapter, Unabortable, parse_json, with_field
+from engine.base import (
+    AbortCall,
+    EngineAdapter,
+    Unabortable,
+    lax_bool,
+    parse_json,
+    with_field,
+)
 from sidecar.config import EngineKind
 
 REQUEST_ID_HEADER = "X-Request-Id"
@@ -140,7 +147,8 @@ def beam_search(path: str, body: bytes | None) -> bool:
     if path not in BEAM_SEARCH_ROUTES or body is None or b"use_beam_search" not in body:
         return False
     parsed = parse_json(body)
-    return isinstance(parsed, dict) and parsed.get("use_beam_search") is True
+    # As vLLM's pydantic request models read the field: "true", 1 and "yes" are true too.
+    return isinstance(parsed, dict) and lax_bool(parsed.get("use_beam_search"))
 
 
 class VLLMAdapter(EngineAdapter):

@@ -253,7 +253,7 @@ class Exchange:
         while size <= limit and (chunk := await read_body_chunk(request.content, limits, size)):
             chunks.append(chunk)
             size += len(chunk)
-        if not request.content.at_eof():
+        if size > limit or not request.content.at_eof():  # over, even if it came in one read
             log.warning("request %s: body over %d bytes not rewritten; the engine picks its own "
                         "request id and cannot be aborted by id (if it ends early: counted in "
                         "cancel_sidecar_unabortable_requests_total{reason=\"%s\"})", self.id,

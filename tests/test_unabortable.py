@@ -122,7 +122,21 @@ def adapter(kind: str) -> Any:
     ("vllm", "/invocations", {"messages": [], "use_beam_search": True},
      Unabortable.VLLM_BEAM_SEARCH),
     ("vllm", "/v1/completions", {"prompt": "x", "use_beam_search": False}, None),
-    ("vllm", "/v1/completions", {"prompt": "x", "use_beam_search": "yes"}, None),
+    # Values the engines' pydantic models coerce (lax mode) count as what they become.
+    ("sglang", "/v1/chat/completions", {"messages": [], "n": "2"}, Unabortable.SGLANG_N_SAMPLES),
+    ("sglang", "/v1/completions", {"prompt": "x", "n": 2.0}, Unabortable.SGLANG_N_SAMPLES),
+    ("sglang", "/v1/completions", {"prompt": "x", "n": 2.5}, None),
+    ("sglang", "/v1/completions", {"prompt": "x", "n": "two"}, None),
+    ("sglang", "/v1/completions", {"prompt": "x", "n": True}, None),
+    ("vllm", "/v1/completions", {"prompt": "x", "use_beam_search": "true"},
+     Unabortable.VLLM_BEAM_SEARCH),
+    ("vllm", "/v1/completions", {"prompt": "x", "use_beam_search": 1},
+     Unabortable.VLLM_BEAM_SEARCH),
+    ("vllm", "/v1/completions", {"prompt": "x", "use_beam_search": "yes"},
+     Unabortable.VLLM_BEAM_SEARCH),
+    ("vllm", "/v1/completions", {"prompt": "x", "use_beam_search": "false"}, None),
+    ("vllm", "/v1/completions", {"prompt": "x", "use_beam_search": 0}, None),
+    ("vllm", "/v1/completions", {"prompt": "x", "use_beam_search": "maybe"}, None),
     ("vllm", "/v1/responses", {"input": "use_beam_search", "use_beam_search": True}, None),
     ("openai", "/v1/chat/completions", {"messages": [], "n": 2, "use_beam_search": True},
      None),
@@ -181,6 +195,23 @@ async def test_sglang_body_over_replay_buffer_disconnect_is_counted_not_aborted(
     body = {"messages": [], "stream": True, "rid": "client-rid", "pad": PAD}
     reader, writer = await post(sidecar.proxy_port, "/v1/chat/completions", body,
                                 "?tokens=100000")
+    await disconnect_mid_stream(reader, writer, lambda: sglang_closed(sglang))
+    assert [w.engine_ids for w in sglang.works] == [("client-rid",)], (
+        f"expected the body relayed unrewritten, engine ran {sglang.works}")
+    assert await no_call(sglang), f"expected no abort call, got {sglang.calls}"
+    got = await counted(sidecar.admin_port)
+    assert got == {("local", "body_over_replay_buffer"): 1.0}, f"expected one count, got {got}"
+
+
+async def test_a_body_over_the_buffer_in_one_read_is_not_rewritten_either(
+        sglang: SGLangEngine, start_sidecar: Callable[..., Any]) -> None:
+    """The limit is exact: 4 KiB sent in one write over a 1 KiB ``replay_buffer_bytes`` is
+    relayed unrewritten (before, a body that arrived in one read was rewritten whatever its
+    size, so the memory bound was looser than documented)."""
+    sidecar: Servers = await start_sidecar(sglang_config(
+        sglang.url, upstream={"replay_buffer_bytes": SMALL_BUFFER}))
+    body = {"text": "x", "stream": True, "rid": "client-rid", "pad": "p" * 4096}
+    reader, writer = await post(sidecar.proxy_port, "/generate", body, "?tokens=100000")
     await disconnect_mid_stream(reader, writer, lambda: sglang_closed(sglang))
     assert [w.engine_ids for w in sglang.works] == [("client-rid",)], (
         f"expected the body relayed unrewritten, engine ran {sglang.works}")
