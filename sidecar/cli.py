@@ -30,7 +30,7 @@ from pathlib import Path
 import uvloop
 
 from sidecar import app, server, workers
-from sidecar.config import Settings, load_config
+from sidecar.config import Settings, load_config, warn_open_cancel_api
 from sidecar.errors import ConfigError, ListenError
 from sidecar.keys import RUNTIME, TASKS
 from sidecar.logs import configure_logging
@@ -79,11 +79,16 @@ def read_new_config(path: Path) -> Settings | None:
         return None
 
 
-def _reload(path: Path, apply: Callable[[Settings], tuple[list[str], list[str]]]) -> None:
+def _reload(path: Path, apply: Callable[[Settings], tuple[list[str], list[str]]],
+            running: Callable[[], Settings] | None) -> None:
+    """SIGHUP in one process: ``apply`` the new config; ``running`` gives the config in effect
+    (None in a supervised worker: its supervisor warns about the admin listener)."""
     started = time.monotonic()
     settings = read_new_config(path)
     if settings is None:
         return
+    if running is not None:
+        warn_open_cancel_api(settings, running())
     applied, ignored = apply(settings)
     for change in ignored:
         log.warning("reload: %s ignored: takes effect after a restart", change)
@@ -111,7 +116,10 @@ async def _serve(settings: Settings, config: Path, worker_port: int | None = Non
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
     loop.add_signal_handler(signal.SIGHUP, _reload, config,
-                            lambda new: app.reload(servers.app, new))
+                            lambda new: app.reload(servers.app, new),
+                            None if worker else lambda: servers.app[RUNTIME].current.settings)
+    if not worker:
+        warn_open_cancel_api(settings, port=servers.admin_port)
     check = None if worker else servers.app[TASKS].spawn(
         startup_check(servers.admin, servers.app[RUNTIME]), name="engine startup check")
     if worker:

@@ -3,7 +3,10 @@
 Every problem is collected, located by a dotted path (``engines.local.abort.timeout_s``) and
 raised together as one :class:`~sidecar.errors.ConfigError`; ``cancel-sidecar --check-config``
 prints them and exits 1. Unknown keys are rejected, so a typo never silently falls back to a
-default. Secrets (``api_key``) are ``SecretStr``: never printed, not even in error messages.
+default, and a key given twice in one mapping is an error (YAML would keep the last silently).
+Secrets (``api_key``, ``cancel_token``) are ``SecretStr``: never printed, not even in error
+messages; neither is the value of an unknown key whose name looks secret (``cancel-token``,
+``password``...) nor the ``user:password@`` part of any URL-like value.
 
 Shape (see ``config/sidecar.yaml`` for the commented reference)::
 
@@ -24,9 +27,11 @@ listen, admin, log_level, log_format and ``downstream.idle_timeout_s`` need a re
 from __future__ import annotations
 
 import enum
+import ipaddress
+import logging
 import os
 import re
-from collections.abc import Mapping
+from collections.abc import Hashable, Mapping
 from pathlib import Path
 from typing import Annotated, Any, Literal
 
@@ -45,6 +50,8 @@ from pydantic import (
 
 from sidecar.errors import ConfigError, ConfigProblem
 from sidecar.logs import LogFormat
+
+log = logging.getLogger(__name__)
 
 
 class EngineKind(enum.StrEnum):
@@ -88,6 +95,25 @@ def _api_key(value: SecretStr | None) -> SecretStr | None:
     return SecretStr(key) if key else None
 
 
+def _cancel_token(value: SecretStr | None) -> SecretStr | None:
+    """As :func:`_api_key`, but an empty token is refused rather than read as none: a
+    ``${VAR}`` set but empty (a missing Secret) must not open the cancel API."""
+    token = _api_key(value)
+    if value is not None and token is None:
+        raise ValueError("must not be empty: omit admin.cancel_token for no token (an empty "
+                         "${VAR} usually means its Secret or variable is missing)")
+    return token
+
+
+def _url_without_userinfo(value: AnyHttpUrl) -> AnyHttpUrl:
+    """aiohttp sends ``user:password@`` as Basic auth on every proxied request, refuses it next
+    to the abort call's own ``Authorization`` header, and it would show in logs and ``/readyz``."""
+    if value.username or value.password:
+        raise ValueError("must not contain a user name or password (user:password@): put the "
+                         "engine's key in abort.api_key; clients send their own Authorization")
+    return value
+
+
 def _route_prefix(value: str) -> str:
     if not value.startswith("/"):
         raise ValueError("must start with '/', e.g. /v1")
@@ -121,7 +147,7 @@ class Listener(_Model):
     """An address to listen on. Loopback by default: nothing listens beyond what is configured."""
 
     host: str = "127.0.0.1"
-    port: Port
+    port: Port = 8080
 
 
 class AdminSettings(Listener):
@@ -129,10 +155,13 @@ class AdminSettings(Listener):
 
     ``cancel_token``: when set, ``POST /v1/requests/{id}/cancel`` needs ``Authorization: Bearer
     <token>`` (else 401); when null, the cancel API is open to whoever reaches the admin
-    listener, which is loopback-only by default. ``${VAR}`` supported; never printed or logged.
+    listener, which is loopback-only by default (see :func:`open_cancel_api`). Surrounding
+    whitespace is dropped; an empty token is an error (omit the key for none). ``${VAR}``
+    supported; never printed or logged. ``port`` defaults to 9090.
     """
 
-    cancel_token: Annotated[SecretStr | None, AfterValidator(_api_key)] = None
+    port: Port = 9090
+    cancel_token: Annotated[SecretStr | None, AfterValidator(_cancel_token)] = None
 
 
 class AbortSettings(_Model):
@@ -154,11 +183,12 @@ class EngineSettings(_Model):
     """One engine (upstream) the sidecar proxies to and aborts on.
 
     ``health_path``: what ``/readyz`` GETs on the engine (a 2xx answer means it is up); the
-    default depends on the kind (vllm: ``/health``, openai: ``/v1/models``).
+    default depends on the kind (vllm, sglang: ``/health``; openai: ``/v1/models``). ``url``: an
+    origin without ``user:password@`` (the key goes in ``abort.api_key``).
     """
 
     kind: EngineKind
-    url: AnyHttpUrl
+    url: Annotated[AnyHttpUrl, AfterValidator(_url_without_userinfo)]
     health_path: Annotated[str | None, AfterValidator(_http_path)] = None
     abort: AbortSettings = AbortSettings()
 
@@ -261,8 +291,8 @@ class LifecycleSettings(_Model):
 class Settings(_Model):
     """The whole validated config file, before cross-references are checked."""
 
-    listen: Listener = Listener(port=8080)
-    admin: AdminSettings | None = AdminSettings(port=9090)
+    listen: Listener = Listener()
+    admin: AdminSettings | None = AdminSettings()
     downstream: DownstreamSettings = DownstreamSettings()
     upstream: UpstreamSettings = UpstreamSettings()
     engines: Annotated[dict[str, EngineSettings], Field(min_length=1)]
@@ -302,36 +332,56 @@ def _expand(node: Any, env: Mapping[str, str], loc: str, problems: list[ConfigPr
 
 
 _PUBLIC_ABORT_KEYS = frozenset({"path", "timeout_s", "retries"})
+# A key whose name says it holds a secret (``cancel-token``, ``Password``, ``x-api-key``): every
+# such key the schema knows is a SecretStr, so these are misspellings, and their values are masked.
+_SECRET_NAME = re.compile(r"token|key|secret|pass|auth|credential", re.IGNORECASE)
+# ``scheme://user:password@``: group 1 the scheme, group 2 the userinfo.
+_USERINFO = re.compile(r"\b([A-Za-z][A-Za-z0-9+.-]*://)([^/?#\s]*)@")  # up to the last @
 
 
-def _is_secret(loc: tuple[int | str, ...]) -> bool:
-    """Anything under an ``abort`` mapping but its path, timeout and retries is treated as a
-    secret, so a misspelled ``api_key`` (``apikey: sk-...``) is masked too."""
-    if any(part in _SECRET_KEYS for part in loc):
+def _is_secret(loc: tuple[Hashable, ...]) -> bool:
+    """Whether the value at ``loc`` is never rendered: a known secret key, an unknown key whose
+    name looks secret (not an engine's name: those are the user's labels), or anything under an
+    ``abort`` mapping but its path, timeout and retries (so ``apikey: sk-...`` is masked)."""
+    names = [part for i, part in enumerate(loc) if not (i == 1 and loc[0] == "engines")]
+    if any(part in _SECRET_KEYS or (isinstance(part, str) and _SECRET_NAME.search(part))
+           for part in names):
         return True
     return "abort" in loc[:-1] and loc[-1] not in _PUBLIC_ABORT_KEYS if loc else False
 
 
-def _masked(value: Any, loc: tuple[int | str, ...] = ()) -> Any:
+def _mask_userinfo(text: str) -> str:
+    """``text`` with the ``user:password@`` of every URL in it replaced by ``***@``."""
+    return _USERINFO.sub(r"\1***@", text)
+
+
+def _masked(value: Any, loc: tuple[Hashable, ...] = ()) -> Any:
     if _is_secret(loc):
         return "***"
     if isinstance(value, dict):
         return {k: _masked(v, (*loc, k)) for k, v in value.items()}
     if isinstance(value, list):
         return [_masked(v, (*loc, i)) for i, v in enumerate(value)]
-    return value
+    return _mask_userinfo(value) if isinstance(value, str) else value
 
 
-def _secrets(tree: Any, loc: tuple[int | str, ...] = ()) -> set[str]:
-    """Every secret string in a config tree (see :func:`_is_secret`)."""
+def _secrets(tree: Any, loc: tuple[Hashable, ...] = ()) -> set[str]:
+    """Every secret string in a config tree (see :func:`_is_secret`), and the userinfo and
+    password of every URL in a string."""
     if isinstance(tree, dict):
         return set().union(*(_secrets(v, (*loc, k)) for k, v in tree.items()))
     if isinstance(tree, list):
         return set().union(*(_secrets(v, (*loc, i)) for i, v in enumerate(tree)))
-    return {tree} if isinstance(tree, str) and len(tree) >= 3 and _is_secret(loc) else set()
+    if not isinstance(tree, str):
+        return set()
+    found = {tree} if _is_secret(loc) else set()
+    for match in _USERINFO.finditer(tree):
+        userinfo = match.group(2)
+        found |= {userinfo, userinfo.partition(":")[2]}
+    return {secret for secret in found if len(secret) >= 3}
 
 
-def _render_value(loc: tuple[int | str, ...], value: Any) -> str:
+def _render_value(loc: tuple[Hashable, ...], value: Any) -> str:
     text = repr(_masked(value, loc))
     return text if len(text) <= 80 else text[:77] + "..."
 
@@ -420,6 +470,62 @@ def _cross_reference(raw: dict[str, Any]) -> list[ConfigProblem]:
     return problems
 
 
+class _Loader(yaml.SafeLoader):
+    """PyYAML's safe loader, recording every key given twice in one mapping (PyYAML itself keeps
+    the last silently) as a problem located by its dotted path, with both line numbers."""
+
+    def __init__(self, stream: str) -> None:
+        super().__init__(stream)
+        self.duplicates: list[ConfigProblem] = []
+        self._paths: dict[int, str] = {}
+
+    def construct_document(self, node: yaml.Node) -> Any:
+        self._locate(node, "")
+        return super().construct_document(node)
+
+    def _locate(self, node: yaml.Node, path: str) -> None:
+        """Record the dotted path of every collection node, first path wins (aliases)."""
+        if id(node) in self._paths:
+            return
+        self._paths[id(node)] = path
+        children: list[tuple[str, yaml.Node]] = []
+        if isinstance(node, yaml.MappingNode):
+            children = [(str(k.value) if isinstance(k, yaml.ScalarNode) else "?", v)
+                        for k, v in node.value]
+        elif isinstance(node, yaml.SequenceNode):
+            children = [(str(i), v) for i, v in enumerate(node.value)]
+        for name, child in children:
+            self._locate(child, f"{path}.{name}" if path else name)
+
+    def construct_mapping(self, node: yaml.MappingNode, deep: bool = False
+                          ) -> dict[Hashable, Any]:
+        first: dict[Hashable, int] = {}
+        for key_node, _ in node.value:
+            if key_node.tag == "tag:yaml.org,2002:merge":  # `<<: *base`: overriding is its point
+                continue
+            key = self.construct_object(key_node, deep=True)
+            line = key_node.start_mark.line + 1
+            if not isinstance(key, Hashable):
+                continue  # PyYAML reports the unhashable key itself
+            if key in first:
+                path = self._paths.get(id(node), "")
+                self.duplicates.append(ConfigProblem(
+                    f"{path}.{key}" if path else str(key),
+                    f"duplicate key (line {first[key]} and line {line}): YAML would keep only "
+                    "the last; remove or rename one"))
+            first.setdefault(key, line)
+        return super().construct_mapping(node, deep)
+
+
+def _load_yaml(text: str) -> tuple[Any, list[ConfigProblem]]:
+    """The YAML tree of ``text`` and its duplicate-key problems. Raises ``yaml.YAMLError``."""
+    loader = _Loader(text)
+    try:
+        return loader.get_single_data(), loader.duplicates
+    finally:
+        loader.dispose()
+
+
 def parse_config(text: str, source: str = "<string>",
                  env: Mapping[str, str] | None = None) -> Settings:
     """Validate config text (YAML).
@@ -428,7 +534,7 @@ def parse_config(text: str, source: str = "<string>",
     with its dotted location, what was wrong and the offending value (secrets masked).
     """
     try:
-        raw = yaml.safe_load(text)
+        raw, problems = _load_yaml(text)
     except yaml.YAMLError as exc:
         # Only the position and the problem: PyYAML's full message quotes the offending line,
         # which may hold a key.
@@ -439,7 +545,6 @@ def parse_config(text: str, source: str = "<string>",
     if not isinstance(raw, dict):
         raise ConfigError(source, [ConfigProblem("", "must be a YAML mapping at the top level",
                                                  type(raw).__name__)])
-    problems: list[ConfigProblem] = []
     expanded = _expand(raw, os.environ if env is None else env, "", problems)
     secrets = _secrets(raw) | _secrets(expanded)
     try:
@@ -469,3 +574,38 @@ def load_config(path: Path, env: Mapping[str, str] | None = None) -> Settings:
     except (OSError, UnicodeDecodeError) as exc:
         raise ConfigError(str(path), [ConfigProblem("", f"cannot read file: {exc}")]) from exc
     return parse_config(text, str(path), env)
+
+
+def _is_loopback(host: str) -> bool:
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False  # a host name, or "" (every address)
+
+
+def open_cancel_api(settings: Settings, port: int | None = None) -> str | None:
+    """``HOST:PORT`` of an admin listener whose cancel API takes unauthenticated calls from
+    beyond loopback (``admin.host`` not a loopback address, no ``admin.cancel_token``), else
+    None. ``port``: the bound admin port, when known (``admin.port`` may be 0)."""
+    admin = settings.admin
+    if admin is None or admin.cancel_token is not None or _is_loopback(admin.host):
+        return None
+    return f"{admin.host}:{admin.port if port is None else port}"
+
+
+def warn_open_cancel_api(new: Settings, running: Settings | None = None,
+                         port: int | None = None) -> None:
+    """Log a WARNING when ``new`` leaves the cancel API open beyond loopback (see
+    :func:`open_cancel_api`): at start (``running`` None; ``port`` the bound admin port), and on
+    a reload only when the file changed that compared with ``running`` (admin needs a restart)."""
+    where = open_cancel_api(new, port)
+    if where is None:
+        return
+    if running is None:
+        log.warning("the cancel API on %s is open to anyone who can reach it; set "
+                    "admin.cancel_token", where)
+    elif where != open_cancel_api(running):
+        log.warning("reload: after a restart (admin changes need one) the cancel API on %s will "
+                    "be open to anyone who can reach it; set admin.cancel_token", where)

@@ -52,7 +52,7 @@ from prometheus_client import CollectorRegistry, multiprocess
 
 from sidecar.app import make_admin_app
 from sidecar.cancel import WorkerCanceller
-from sidecar.config import Settings
+from sidecar.config import Settings, warn_open_cancel_api
 from sidecar.downstream import DownstreamRunner
 from sidecar.readiness import startup_check
 from sidecar.runtime import Runtime, Runtimes, describe_changes
@@ -130,6 +130,7 @@ class Supervisor:
                 return 1
         runtimes = Runtimes(Runtime.open(self.settings), self.tasks)
         admin, admin_port = await self._start_admin(runtimes)
+        warn_open_cancel_api(self.settings, port=admin_port)
         check = self.tasks.spawn(startup_check(admin, runtimes), name="engine startup check")
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGTERM, signal.SIGINT):
@@ -233,6 +234,7 @@ class Supervisor:
         self._signal_workers(signal.SIGHUP)
         settings = self.reload_config()
         if settings is not None:
+            warn_open_cancel_api(settings, runtimes.current.settings)
             applied, _ = describe_changes(runtimes.current.settings, settings)
             if applied:
                 runtimes.swap(settings)

@@ -112,8 +112,8 @@ async def cli_process(tmp_path: Path, tree: dict[str, Any], *args: str
     try:
         assert proc.stdout is not None
         line = (await asyncio.wait_for(proc.stdout.readline(), READY_S)).decode()
-        match = re.match(r"cancel-sidecar: proxy on 127\.0\.0\.1:(\d+), "
-                         r"admin on 127\.0\.0\.1:(\d+)$", line.strip())
+        match = re.match(r"cancel-sidecar: proxy on \S+:(\d+), admin on \S+:(\d+)$",
+                         line.strip())
         assert match, (f"expected the 'proxy on HOST:PORT, admin on HOST:PORT' line, got "
                        f"{line!r}; stderr:\n{cli.stderr}")
         cli.proxy_port, cli.admin_port = int(match[1]), int(match[2])

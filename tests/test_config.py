@@ -2,14 +2,19 @@
 
 from __future__ import annotations
 
+import re
+import signal
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 import pytest
 
+from engine import ADAPTERS
 from sidecar.config import parse_config
 from sidecar.errors import ConfigError
+from tests.cli_process import cli_process, config_tree
 
 SECRET = "sk-very-secret-value"
 
@@ -117,3 +122,220 @@ def test_api_key_with_an_inner_control_character_is_refused_without_echo() -> No
     message = problems_of(ENGINE + ROUTES, env={"KEY": "sk-very\nsecret"})
     assert "  - engines.a.abort.api_key:" in message and "control characters" in message, message
     assert "secret" not in message.replace("problem", ""), f"the key leaked:\n{message}"
+
+
+# --- engine urls with credentials -----------------------------------------------------------
+
+URL_PASSWORD = "sk-URLPASS"
+
+
+@pytest.mark.parametrize("url", [
+    f"http://user:{URL_PASSWORD}@127.0.0.1:18000",
+    f"https://user:{URL_PASSWORD}@engine.example:443/",
+    f"http://:{URL_PASSWORD}@127.0.0.1:18000",
+    "http://just-a-user@127.0.0.1:18000",
+    f"http://user:p@{URL_PASSWORD}@127.0.0.1:18000",  # an unencoded @ in the password
+    f"http://user:{URL_PASSWORD}@127.0.0.1:18000/v1",  # also a path: still no echo
+])
+def test_engine_url_with_credentials_is_refused_without_echo(url: str) -> None:
+    """aiohttp turns URL credentials into Basic auth on every proxied request and refuses them
+    next to the abort call's own Authorization: an engine never aborted, and the password in the
+    logs and in /readyz. Refused at config time, pointing at abort.api_key."""
+    message = problems_of(f"engines:\n  a: {{kind: vllm, url: '{url}'}}\n{ROUTES}")
+    assert "  - engines.a.url:" in message and "abort.api_key" in message, (
+        f"expected a problem at engines.a.url naming abort.api_key, got:\n{message}")
+    assert URL_PASSWORD not in message, f"the URL password leaked:\n{message}"
+
+
+@pytest.mark.parametrize("text", [
+    # the whole engines value rendered (a list where a mapping belongs)
+    f"engines:\n  - {{kind: vllm, url: 'http://user:{URL_PASSWORD}@127.0.0.1:1'}}\n{ROUTES}",
+    # the whole engine rendered (not a mapping either way)
+    f"engines:\n  a: ['http://user:{URL_PASSWORD}@127.0.0.1:1']\n{ROUTES}",
+    # a url-looking value anywhere else
+    f"upstream: {{max_connections: 'http://user:{URL_PASSWORD}@h'}}\nengines:\n"
+    f"  a: {{kind: vllm, url: 'http://h:1'}}\n{ROUTES}",
+])
+def test_url_userinfo_is_masked_wherever_a_value_is_rendered(text: str) -> None:
+    message = problems_of(text)
+    assert URL_PASSWORD not in message, f"the URL password leaked:\n{message}"
+    assert "problem" in message, message
+
+
+# --- admin.cancel_token ---------------------------------------------------------------------
+
+TOKEN_CONFIG = "admin:\n  cancel_token: ${T}\n" + ENGINE + ROUTES
+
+
+@pytest.mark.parametrize(("text", "token"), [
+    (TOKEN_CONFIG, ""),
+    (TOKEN_CONFIG, " \n"),
+    ("admin: {cancel_token: ''}\n" + ENGINE + ROUTES, None),
+    ("admin: {host: 127.0.0.1, port: 9090, cancel_token: '  '}\n" + ENGINE + ROUTES, None),
+])
+def test_empty_cancel_token_is_a_config_error_not_an_open_cancel_api(
+        text: str, token: str | None) -> None:
+    env = {"KEY": "k"} | ({"T": token} if token is not None else {})
+    message = problems_of(text, env=env)
+    assert "  - admin.cancel_token:" in message and "omit admin.cancel_token" in message, (
+        f"expected an empty token refused at admin.cancel_token, got:\n{message}")
+
+
+def test_cancel_token_from_a_secret_file_loses_its_newline_inner_controls_refused() -> None:
+    settings = parse_config(TOKEN_CONFIG, "<test>", env={"KEY": "k", "T": f"{SECRET}\n"})
+    assert settings.admin is not None and settings.admin.cancel_token is not None
+    assert settings.admin.cancel_token.get_secret_value() == SECRET, "expected the token stripped"
+    message = problems_of(TOKEN_CONFIG, env={"KEY": "k", "T": "sk-very\x7fsecret"})
+    assert "  - admin.cancel_token:" in message and "control characters" in message, message
+    assert "secret" not in message.replace("problem", ""), f"the token leaked:\n{message}"
+
+
+def test_omitted_or_null_cancel_token_means_none() -> None:
+    for admin in ("admin: {host: 127.0.0.1}\n", "admin: {cancel_token: null}\n"):
+        settings = parse_config(admin + ENGINE + ROUTES, "<test>", env={"KEY": "k"})
+        assert settings.admin is not None and settings.admin.cancel_token is None, admin
+
+
+# --- documented defaults --------------------------------------------------------------------
+
+@pytest.mark.parametrize(("sections", "listen", "admin"), [
+    ("listen: {host: 0.0.0.0}\n", ("0.0.0.0", 8080), ("127.0.0.1", 9090)),
+    ("admin: {host: 0.0.0.0, cancel_token: t}\n", ("127.0.0.1", 8080), ("0.0.0.0", 9090)),
+    ("admin: {cancel_token: t}\n", ("127.0.0.1", 8080), ("127.0.0.1", 9090)),
+    ("listen: {}\nadmin: {}\n", ("127.0.0.1", 8080), ("127.0.0.1", 9090)),
+    ("listen: {port: 8081}\nadmin: {port: 9091}\n", ("127.0.0.1", 8081), ("127.0.0.1", 9091)),
+])
+def test_listen_and_admin_ports_default_to_8080_and_9090_when_omitted(
+        sections: str, listen: tuple[str, int], admin: tuple[str, int]) -> None:
+    settings = parse_config(sections + ENGINE + ROUTES, "<test>", env={"KEY": "k"})
+    assert settings.admin is not None
+    got = ((settings.listen.host, settings.listen.port), (settings.admin.host, settings.admin.port))
+    assert got == (listen, admin), f"expected listen, admin {listen}, {admin}; got {got}"
+
+
+def _readme_defaults(key: str) -> tuple[str, dict[str, str]]:
+    """The README config-table row for ``key``, and its per-kind defaults ("`/health` for vllm
+    and sglang, `/v1/models` for openai" -> {"vllm": "/health", ...})."""
+    readme = (Path(__file__).resolve().parent.parent / "README.md").read_text()
+    rows = [line for line in readme.splitlines() if line.startswith(f"| `{key}`")]
+    assert len(rows) == 1, f"expected one README config-table row for {key}, got {rows}"
+    default = rows[0].split("|")[2]
+    per_kind = {kind: path for path, kinds in re.findall(r"`([^`]+)` for ([a-z ,]+)", default)
+                for kind in re.split(r",\s*|\s+and\s+", kinds.strip())}
+    return rows[0], per_kind
+
+
+def test_readme_config_table_names_every_kind_and_its_default_paths() -> None:
+    kinds, _ = _readme_defaults("engines.NAME.kind")
+    _, health = _readme_defaults("engines.NAME.health_path")
+    _, abort = _readme_defaults("engines.NAME.abort.path")
+    for kind, adapter in ADAPTERS.items():
+        assert f"`{kind.value}`" in kinds, f"expected kind {kind.value} in the README: {kinds}"
+        assert health.get(kind.value) == adapter.default_health_path, (
+            f"expected the README's health_path default for {kind.value} to be "
+            f"{adapter.default_health_path}, got {health}")
+        assert abort.get(kind.value) == adapter.default_abort_path, (
+            f"expected the README's abort.path default for {kind.value} to be "
+            f"{adapter.default_abort_path}, got {abort}")
+
+
+# --- duplicate keys -------------------------------------------------------------------------
+
+@pytest.mark.parametrize(("text", "location", "lines"), [
+    ("engines:\n  a: {kind: vllm, url: 'http://h:1'}\n  a: {kind: openai, url: 'http://h:2'}\n"
+     + ROUTES, "engines.a", (2, 3)),
+    ("listen:\n  port: 8081\n  host: 127.0.0.1\n  port: 8082\n" + ENGINE + ROUTES,
+     "listen.port", (2, 4)),
+    (ENGINE + ROUTES + "log_level: info\nlog_level: debug\n", "log_level", (4, 5)),
+    (ENGINE + "routes:\n  - prefix: /\n    engine: a\n    prefix: /v1\n", "routes.0.prefix",
+     (4, 6)),
+    ("engines:\n  a:\n    kind: vllm\n    url: 'http://h:1'\n    abort: {api_key: x, api_key: y}\n"
+     + ROUTES, "engines.a.abort.api_key", (5, 5)),
+])
+def test_duplicate_keys_are_located_errors_with_both_lines(
+        text: str, location: str, lines: tuple[int, int]) -> None:
+    message = problems_of(text, env={"KEY": "k"})
+    first, second = lines
+    assert f"  - {location}: duplicate key (line {first} and line {second})" in message, (
+        f"expected a duplicate key at {location} (lines {first} and {second}), got:\n{message}")
+
+
+def test_yaml_merge_keys_are_not_duplicates() -> None:
+    text = ("x-engine: &base {kind: vllm, url: 'http://h:1'}\n"
+            "engines:\n  a:\n    <<: *base\n    url: 'http://h:2'\n" + ROUTES)
+    message = problems_of(text)  # x-engine is an unknown key, nothing else
+    assert "duplicate" not in message and "  - x-engine:" in message, message
+
+
+# --- misspelled secret-looking keys ---------------------------------------------------------
+
+LEAK = "sk-LEAK5"
+
+
+@pytest.mark.parametrize("section", [
+    f"admin: {{cancel-token: {LEAK}}}",
+    f"admin: {{CancelToken: {LEAK}}}",
+    f"listen: {{port: 8080, password: {LEAK}}}",
+    f"upstream: {{Auth_Header: {LEAK}}}",
+    f"my_secret: {LEAK}",
+    f"engines:\n  a: {{kind: vllm, url: 'http://h:1', x-api-key: {LEAK}}}",
+    f"engines:\n  a: {{kind: vllm, url: 'http://h:1', credentials: [{LEAK}]}}",
+    f"routes: [{{prefix: /, engine: a, bearer_TOKEN: {LEAK}}}]",
+    f"lifecycle: {{passwd: {{nested: {LEAK}}}}}",
+])
+def test_unknown_keys_that_look_secret_have_their_values_masked(section: str) -> None:
+    engines = "" if section.startswith("engines") else ENGINE
+    routes = "" if section.startswith("routes") else ROUTES
+    message = problems_of(f"{section}\n{engines}{routes}", env={"KEY": "k"})
+    assert "Extra inputs are not permitted" in message, message
+    assert LEAK not in message, f"the value of a secret-looking key leaked:\n{message}"
+
+
+def test_unknown_keys_that_do_not_look_secret_still_show_their_values() -> None:
+    message = problems_of(f"listen: {{prot: 8081}}\n{ENGINE}{ROUTES}", env={"KEY": "k"})
+    assert "  - listen.prot: Extra inputs are not permitted (got 8081)" in message, message
+
+
+# --- the open cancel API warning (CLI) ------------------------------------------------------
+
+OPEN_API = "open to anyone who can reach it; set admin.cancel_token"
+RELOAD_OPEN_API = "reload: after a restart (admin changes need one) the cancel API on"
+UNREACHABLE = "http://127.0.0.1:1"  # nothing listens: the startup check logs "not ready"
+
+
+@pytest.mark.parametrize("workers", ["1", "2"])
+@pytest.mark.parametrize(("admin", "warnings"), [
+    ({"host": "0.0.0.0", "port": 0}, 1),
+    ({"host": "0.0.0.0", "port": 0, "cancel_token": SECRET}, 0),
+    ({"host": "127.0.0.1", "port": 0}, 0),
+])
+async def test_cancel_api_open_beyond_loopback_warns_once_at_start(
+        tmp_path: Path, admin: dict[str, Any], warnings: int, workers: str) -> None:
+    async with cli_process(tmp_path, config_tree(UNREACHABLE, admin=admin),
+                           "--workers", workers) as cli:
+        # logged after the warning, by the same process (the supervisor under --workers)
+        await cli.wait_log("engine local not ready")
+        lines = [line for line in cli.stderr_lines if OPEN_API in line]
+        assert len(lines) == warnings, (
+            f"expected {warnings} open-cancel-API warning(s), got {len(lines)}:\n{cli.stderr}")
+        assert all('"WARNING"' in line and f"0.0.0.0:{cli.admin_port}" in line
+                   for line in lines), lines
+        assert SECRET not in cli.stderr, f"the token leaked:\n{cli.stderr}"
+
+
+@pytest.mark.parametrize("workers", ["1", "2"])
+async def test_reload_that_drops_the_cancel_token_beyond_loopback_warns(
+        tmp_path: Path, workers: str) -> None:
+    admin = {"host": "0.0.0.0", "port": 0, "cancel_token": SECRET}
+    tree = config_tree(UNREACHABLE, admin=admin)
+    async with cli_process(tmp_path, tree, "--workers", workers) as cli:
+        after = await cli.wait_log("engine local not ready")
+        cli.write_config({**tree, "admin": {"host": "0.0.0.0", "port": 0}})
+        cli.signal(signal.SIGHUP)
+        await cli.wait_log(RELOAD_OPEN_API, after=after)
+        for _ in range(int(workers)):  # every process that reloads has logged its reload
+            after = await cli.wait_log("reload of", after=after)
+        lines = [line for line in cli.stderr_lines if OPEN_API in line]
+        assert len(lines) == 1 and RELOAD_OPEN_API in lines[0], (
+            f"expected one reload warning, got {len(lines)}:\n{cli.stderr}")
+        assert SECRET not in cli.stderr, f"the token leaked:\n{cli.stderr}"

@@ -18,7 +18,7 @@ from urllib.parse import urlsplit
 import pytest
 import yaml
 
-from sidecar.config import Settings, parse_config
+from sidecar.config import Settings, open_cancel_api, parse_config
 
 ROOT = Path(__file__).resolve().parent.parent
 K8S = ROOT / "config" / "k8s"
@@ -72,9 +72,12 @@ def _vllm() -> Doc:
 
 
 def _settings() -> Settings:
+    """The embedded config, with every ``${VAR}`` it reads given only by the sidecar container's
+    own env (each as ``x``): a variable the container does not set fails here."""
     data = _one("ConfigMap")["data"]
     assert "sidecar.yaml" in data, f"expected key sidecar.yaml in the ConfigMap, got {list(data)}"
-    return parse_config(data["sidecar.yaml"], "ConfigMap sidecar.yaml", env={"VLLM_API_KEY": "x"})
+    env = {e["name"]: "x" for e in _sidecar().get("env", [])}
+    return parse_config(data["sidecar.yaml"], "ConfigMap sidecar.yaml", env=env)
 
 
 def _port_of(url: str) -> int:
@@ -155,6 +158,24 @@ def test_embedded_config_listens_in_the_pod_and_reads_the_key_from_the_secret() 
     assert sidecar_ref is not None and sidecar_ref == vllm_ref, (
         f"expected VLLM_API_KEY from the same secretKeyRef in both containers, got sidecar "
         f"{sidecar_ref}, vLLM {vllm_ref}")
+
+
+def test_cancel_api_on_the_pod_ip_needs_a_token_from_a_secret() -> None:
+    """The admin listener is on 0.0.0.0 for the kubelet; the cancel API shares it, so the
+    embedded config sets admin.cancel_token, read from a Secret (never a literal in the file)."""
+    settings = _settings()
+    assert settings.admin is not None and open_cancel_api(settings) is None, (
+        f"expected the cancel API on a non-loopback admin listener to need a token, got "
+        f"admin {settings.admin}")
+    token = settings.admin.cancel_token
+    assert token is not None and token.get_secret_value() == "x", (
+        "expected admin.cancel_token to be a ${VAR} the container's env sets")
+    config = _one("ConfigMap")["data"]["sidecar.yaml"]
+    var = re.search(r"cancel_token:\s*\$\{([A-Za-z_][A-Za-z0-9_]*)\}", config)
+    assert var is not None, f"expected cancel_token: ${{VAR}} in the ConfigMap, got:\n{config}"
+    assert _secret_ref(_sidecar(), var[1]) is not None, (
+        f"expected {var[1]} from a secretKeyRef in {SIDECAR_NAME}'s env, got "
+        f"{_sidecar().get('env')}")
 
 
 @pytest.mark.parametrize(("probe", "path"), [
