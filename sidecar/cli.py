@@ -115,6 +115,8 @@ async def _serve(settings: Settings, config: Path, worker_port: int | None = Non
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
+    if worker:
+        workers.die_with_supervisor()  # its SIGTERM lands in the handler just installed
     loop.add_signal_handler(signal.SIGHUP, _reload, config,
                             lambda new: app.reload(servers.app, new),
                             None if worker else lambda: servers.app[RUNTIME].current.settings)

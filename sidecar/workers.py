@@ -36,6 +36,7 @@ side sums them with ``MultiProcessCollector``; a worker's live gauges are droppe
 from __future__ import annotations
 
 import asyncio
+import ctypes
 import logging
 import os
 import re
@@ -61,6 +62,29 @@ from sidecar.tasks import TaskSet
 log = logging.getLogger(__name__)
 
 READY_S = 30.0  # how long a worker may take to start listening
+SUPERVISOR_PID_ENV = "CANCEL_SIDECAR_SUPERVISOR_PID"  # set for workers: who must outlive them
+_PR_SET_PDEATHSIG = 1  # <linux/prctl.h>
+
+
+def die_with_supervisor() -> None:
+    """In a worker: have the kernel send this process SIGTERM when its supervisor dies (Linux
+    ``prctl(PR_SET_PDEATHSIG)``), and send it now if the supervisor is already gone.
+
+    Without it a supervisor killed by SIGKILL (``kill -9``, the OOM killer, systemd
+    ``KillMode=process``) left its workers serving on the port; a restarted sidecar then shared
+    the port with them (SO_REUSEPORT) and its cancel API could not reach their requests (a
+    hostile tester's finding). SIGTERM is the usual drain: in-flight requests get
+    ``lifecycle.grace_period_s``, then are aborted. Logs a warning where prctl is missing."""
+    expected = int(os.environ.get(SUPERVISOR_PID_ENV, "0"))
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        if libc.prctl(_PR_SET_PDEATHSIG, signal.SIGTERM, 0, 0, 0) != 0:
+            raise OSError(ctypes.get_errno(), "prctl(PR_SET_PDEATHSIG)")
+    except (OSError, AttributeError) as exc:
+        log.warning("worker %d: cannot ask to be stopped with the supervisor (%s); if the "
+                    "supervisor is killed, stop this worker yourself", os.getpid(), exc)
+    if expected and os.getppid() != expected:  # it died before the prctl took effect
+        os.kill(os.getpid(), signal.SIGTERM)
 UNIX_PATH_MAX = 107  # bytes in a Unix socket path (Linux sun_path: 108 with the final NUL)
 WORKER_READY = re.compile(r"cancel-sidecar worker: proxy on (.+):(\d+)$")
 
@@ -155,7 +179,8 @@ class Supervisor:
         return 1 if self.failed else 0
 
     def _worker_env(self) -> dict[str, str]:
-        return {**os.environ, "PROMETHEUS_MULTIPROC_DIR": str(self.metrics_dir)}
+        return {**os.environ, "PROMETHEUS_MULTIPROC_DIR": str(self.metrics_dir),
+                SUPERVISOR_PID_ENV: str(os.getpid())}
 
     async def _spawn_all(self, port: int) -> bool:
         """Start every worker and wait until each listens on ``port``; False if one failed."""

@@ -71,3 +71,35 @@ async def test_two_workers_share_the_port_and_the_metrics_add_up(
     assert (health, ready) == (200, 200), f"expected /healthz and /readyz 200, got {health, ready}"
     assert code == 0, f"expected exit 0 after SIGTERM, got {code}; stderr:\n{cli.stderr}"
     assert still == [], f"expected every worker gone after the supervisor exits, got {still}"
+
+
+async def test_workers_stop_when_the_supervisor_is_killed(
+        engine: FakeEngine, tmp_path: Path) -> None:
+    """SIGKILL to the supervisor (the OOM killer, ``kill -9``): the kernel sends each worker
+    SIGTERM (PR_SET_PDEATHSIG), so each drains its in-flight stream for the grace period,
+    aborts it, and exits; nothing is left serving on the port. Before, the workers served on,
+    and a restarted sidecar shared the port with them."""
+    tree = config_tree(engine.url, grace_s=1.0)
+    async with cli_process(tmp_path, tree, "--workers", "2") as cli:
+        workers = psutil.Process(cli.proc.pid).children()
+        assert len(workers) == 2, f"expected 2 worker processes, got {workers}"
+        reader, writer = await asyncio.open_connection("127.0.0.1", cli.proxy_port)
+        body = b'{"messages": [], "stream": true}'
+        writer.write(b"POST /v1/chat/completions?tokens=100000 HTTP/1.1\r\nHost: x\r\n"
+                     b"Content-Type: application/json\r\nContent-Length: %d\r\n\r\n%s"
+                     % (len(body), body))
+        await asyncio.wait_for(reader.readuntil(b"data:"), WAIT_S)
+        cli.signal(signal.SIGKILL)
+        _, alive = await asyncio.to_thread(psutil.wait_procs, workers, timeout=WAIT_S)
+        for orphan in alive:  # a regression must fail the test, not leave a server behind
+            orphan.kill()  # (nor the CLI's pipes open: the workers inherited them)
+        await cli.wait_exit()
+        assert alive == [], f"expected the workers to exit after the supervisor's death: {alive}"
+        rest = await asyncio.wait_for(reader.read(), WAIT_S)
+        writer.close()
+        with pytest.raises(OSError):
+            await asyncio.open_connection("127.0.0.1", cli.proxy_port)
+    assert b"[DONE]" not in rest, "the drained stream must not claim success"
+    await asyncio.wait_for(engine.record.abort_event.wait(), WAIT_S)
+    rid = engine.record.generations[0].request_id
+    assert engine.record.aborted_ids() == [f"chatcmpl-{rid}"], engine.record.aborted_ids()
