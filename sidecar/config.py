@@ -3,10 +3,11 @@
 Every problem is collected, located by a dotted path (``engines.local.abort.timeout_s``) and
 raised together as one :class:`~sidecar.errors.ConfigError`; ``cancel-sidecar --check-config``
 prints them and exits 1. Unknown keys are rejected, so a typo never silently falls back to a
-default, and a key given twice in one mapping is an error (YAML would keep the last silently).
-Secrets (``api_key``, ``cancel_token``) are ``SecretStr``: never printed, not even in error
-messages; neither is the value of an unknown key whose name looks secret (``cancel-token``,
-``password``...) nor the ``user:password@`` part of any URL-like value.
+default, and a key given twice in one mapping is an error, a ``<<`` merge key too (YAML would
+keep the last silently). Secrets (``api_key``, ``cancel_token``) are ``SecretStr``: never
+printed, not even in error messages; neither is the value of an unknown key (a typo's value may
+be a token), nor anything before the ``@`` of a URL-like value (``user:password@``, whatever
+its scheme, slashes or whitespace).
 
 Shape (see ``config/sidecar.yaml`` for the commented reference)::
 
@@ -335,39 +336,62 @@ _PUBLIC_ABORT_KEYS = frozenset({"path", "timeout_s", "retries"})
 # A key whose name says it holds a secret (``cancel-token``, ``Password``, ``x-api-key``): every
 # such key the schema knows is a SecretStr, so these are misspellings, and their values are masked.
 _SECRET_NAME = re.compile(r"token|key|secret|pass|auth|credential", re.IGNORECASE)
-# ``scheme://user:password@``: group 1 the scheme, group 2 the userinfo.
-_USERINFO = re.compile(r"\b([A-Za-z][A-Za-z0-9+.-]*://)([^/?#\s]*)@")  # up to the last @
+
+
+def _names(loc: tuple[Hashable, ...]) -> list[Hashable]:
+    """The key names in ``loc`` but an engine's name (the user's label, never masked)."""
+    return [part for i, part in enumerate(loc) if not (i == 1 and loc[0] == "engines")]
 
 
 def _is_secret(loc: tuple[Hashable, ...]) -> bool:
     """Whether the value at ``loc`` is never rendered: a known secret key, an unknown key whose
     name looks secret (not an engine's name: those are the user's labels), or anything under an
     ``abort`` mapping but its path, timeout and retries (so ``apikey: sk-...`` is masked)."""
-    names = [part for i, part in enumerate(loc) if not (i == 1 and loc[0] == "engines")]
     if any(part in _SECRET_KEYS or (isinstance(part, str) and _SECRET_NAME.search(part))
-           for part in names):
+           for part in _names(loc)):
         return True
     return "abort" in loc[:-1] and loc[-1] not in _PUBLIC_ABORT_KEYS if loc else False
 
 
-def _mask_userinfo(text: str) -> str:
-    """``text`` with the ``user:password@`` of every URL in it replaced by ``***@``."""
-    return _USERINFO.sub(r"\1***@", text)
+def _userinfo_end(text: str, loc: tuple[Hashable, ...]) -> int:
+    """Where the ``user:password@`` of a URL-like ``text`` ends (the index of its last ``@``), or
+    -1. Not a URL parse: ``http:/u:p@h``, ``u:p@h`` and a password holding ``@`` or whitespace
+    count too. Any ``@`` under a ``url`` key counts; elsewhere one with a ``:`` before it (so
+    ``ops@example.com`` stays readable)."""
+    head, at, _ = text.rpartition("@")
+    return len(head) if at and (":" in head or "url" in _names(loc)) else -1
+
+
+def _mask_userinfo(text: str, loc: tuple[Hashable, ...]) -> str:
+    """``text`` with everything before its userinfo's ``@`` replaced by ``***``."""
+    end = _userinfo_end(text, loc)
+    return text if end < 0 else "***" + text[end:]
+
+
+# Every key some section of the schema knows: the value of any other key is never rendered.
+_KNOWN_KEYS = frozenset(name for model in (
+    Listener, AdminSettings, AbortSettings, EngineSettings, DownstreamSettings, UpstreamSettings,
+    RouteSettings, LifecycleSettings, Settings) for name in model.model_fields)
 
 
 def _masked(value: Any, loc: tuple[Hashable, ...] = ()) -> Any:
+    """``value`` as it may be rendered: secrets (:func:`_is_secret`) and the values of unknown
+    keys as ``***``, URL userinfo masked (:func:`_mask_userinfo`)."""
     if _is_secret(loc):
         return "***"
     if isinstance(value, dict):
-        return {k: _masked(v, (*loc, k)) for k, v in value.items()}
+        labels = loc == ("engines",)  # engine names: the user's labels, not keys of the schema
+        return {k: _masked(v, (*loc, k)) if labels or k in _KNOWN_KEYS else "***"
+                for k, v in value.items()}
     if isinstance(value, list):
         return [_masked(v, (*loc, i)) for i, v in enumerate(value)]
-    return _mask_userinfo(value) if isinstance(value, str) else value
+    return _mask_userinfo(value, loc) if isinstance(value, str) else value
 
 
 def _secrets(tree: Any, loc: tuple[Hashable, ...] = ()) -> set[str]:
-    """Every secret string in a config tree (see :func:`_is_secret`), and the userinfo and
-    password of every URL in a string."""
+    """Every secret string in a config tree (see :func:`_is_secret`), and the userinfo of every
+    URL-like string with its likely password parts (see :func:`_userinfo_end`); each also as
+    ``repr`` escapes it (``\\t``), since rendered values are ``repr``-ed."""
     if isinstance(tree, dict):
         return set().union(*(_secrets(v, (*loc, k)) for k, v in tree.items()))
     if isinstance(tree, list):
@@ -375,9 +399,13 @@ def _secrets(tree: Any, loc: tuple[Hashable, ...] = ()) -> set[str]:
     if not isinstance(tree, str):
         return set()
     found = {tree} if _is_secret(loc) else set()
-    for match in _USERINFO.finditer(tree):
-        userinfo = match.group(2)
-        found |= {userinfo, userinfo.partition(":")[2]}
+    end = _userinfo_end(tree, loc)
+    if end >= 0:
+        head = tree[:end]
+        userinfo = head.rpartition("/")[2]
+        found |= {head, userinfo, userinfo.partition(":")[2], userinfo.rpartition(":")[2],
+                  userinfo.rpartition("@")[2]}
+    found |= {repr(secret)[1:-1] for secret in found}
     return {secret for secret in found if len(secret) >= 3}
 
 
@@ -389,7 +417,7 @@ def _render_value(loc: tuple[Hashable, ...], value: Any) -> str:
 def _scrub(problems: list[ConfigProblem], secrets: set[str]) -> list[ConfigProblem]:
     """Last line of defence: no secret value survives in any message."""
     def clean(text: str | None) -> str | None:
-        for secret in secrets:
+        for secret in sorted(secrets, key=len, reverse=True):  # a password inside its userinfo
             text = text.replace(secret, "***") if text else text
         return text
 
@@ -470,51 +498,60 @@ def _cross_reference(raw: dict[str, Any]) -> list[ConfigProblem]:
     return problems
 
 
+_UNKNOWN_KEY = "unknown key (value not shown); check its spelling and section"
+_MERGE = "tag:yaml.org,2002:merge"
+_VALUE = "tag:yaml.org,2002:value"
+
+
 class _Loader(yaml.SafeLoader):
     """PyYAML's safe loader, recording every key given twice in one mapping (PyYAML itself keeps
-    the last silently) as a problem located by its dotted path, with both line numbers."""
+    the last silently), a ``<<`` merge key too, as a problem located by its dotted path, with
+    both line numbers."""
 
     def __init__(self, stream: str) -> None:
         super().__init__(stream)
         self.duplicates: list[ConfigProblem] = []
-        self._paths: dict[int, str] = {}
+        self._seen: set[int] = set()
 
     def construct_document(self, node: yaml.Node) -> Any:
-        self._locate(node, "")
+        self._check(node, "")
         return super().construct_document(node)
 
-    def _locate(self, node: yaml.Node, path: str) -> None:
-        """Record the dotted path of every collection node, first path wins (aliases)."""
-        if id(node) in self._paths:
+    def _check(self, node: yaml.Node, path: str) -> None:
+        """Check every mapping node once (an alias repeats none), first path wins, before any is
+        constructed: constructing a ``<<`` merges it away, rewriting the mapping node in place."""
+        if id(node) in self._seen:
             return
-        self._paths[id(node)] = path
+        self._seen.add(id(node))
         children: list[tuple[str, yaml.Node]] = []
         if isinstance(node, yaml.MappingNode):
-            children = [(str(k.value) if isinstance(k, yaml.ScalarNode) else "?", v)
-                        for k, v in node.value]
+            first: dict[Hashable, int] = {}
+            for key_node, value_node in node.value:
+                name = str(key_node.value) if isinstance(key_node, yaml.ScalarNode) else "?"
+                children.append((name, value_node))
+                if key_node.tag == _MERGE:
+                    key: Any = _MERGE  # not the string "<<", which a quoted '<<' would be
+                elif key_node.tag == _VALUE:
+                    key = "="  # as PyYAML reads it
+                elif isinstance(key_node, yaml.ScalarNode):
+                    key = self.construct_object(key_node)  # 1 and 0x1 are one key
+                else:
+                    continue  # a collection key: PyYAML reports it unhashable
+                line = key_node.start_mark.line + 1
+                if not isinstance(key, Hashable):
+                    continue
+                if key in first:
+                    advice = ("merge several mappings with one `<<: [*a, *b]` (the first listed "
+                              "wins on shared keys)" if key == _MERGE else
+                              "YAML would keep only the last; remove or rename one")
+                    self.duplicates.append(ConfigProblem(
+                        f"{path}.{name}" if path else name,
+                        f"duplicate key (line {first[key]} and line {line}): {advice}"))
+                first.setdefault(key, line)
         elif isinstance(node, yaml.SequenceNode):
             children = [(str(i), v) for i, v in enumerate(node.value)]
         for name, child in children:
-            self._locate(child, f"{path}.{name}" if path else name)
-
-    def construct_mapping(self, node: yaml.MappingNode, deep: bool = False
-                          ) -> dict[Hashable, Any]:
-        first: dict[Hashable, int] = {}
-        for key_node, _ in node.value:
-            if key_node.tag == "tag:yaml.org,2002:merge":  # `<<: *base`: overriding is its point
-                continue
-            key = self.construct_object(key_node, deep=True)
-            line = key_node.start_mark.line + 1
-            if not isinstance(key, Hashable):
-                continue  # PyYAML reports the unhashable key itself
-            if key in first:
-                path = self._paths.get(id(node), "")
-                self.duplicates.append(ConfigProblem(
-                    f"{path}.{key}" if path else str(key),
-                    f"duplicate key (line {first[key]} and line {line}): YAML would keep only "
-                    "the last; remove or rename one"))
-            first.setdefault(key, line)
-        return super().construct_mapping(node, deep)
+            self._check(child, f"{path}.{name}" if path else name)
 
 
 def _load_yaml(text: str) -> tuple[Any, list[ConfigProblem]]:
@@ -552,6 +589,9 @@ def parse_config(text: str, source: str = "<string>",
     except ValidationError as exc:
         for err in exc.errors():
             loc = ".".join(str(part) for part in err["loc"])
+            if err["type"] == "extra_forbidden":  # a typo's value may be anything, a key too
+                problems.append(ConfigProblem(loc, _UNKNOWN_KEY))
+                continue
             value = None if err["type"] == "missing" else _render_value(err["loc"], err["input"])
             problems.append(ConfigProblem(loc, err["msg"].removeprefix("Value error, "), value))
         problems.extend(_cross_reference(expanded))

@@ -162,6 +162,42 @@ def test_url_userinfo_is_masked_wherever_a_value_is_rendered(text: str) -> None:
     assert "problem" in message, message
 
 
+PASSWORD = "secretpw"
+
+
+@pytest.mark.parametrize("value", [
+    f"http:/alice:{PASSWORD}@127.0.0.1:8000",  # one slash
+    f"http:alice:{PASSWORD}@127.0.0.1:8000",  # none
+    f"alice:{PASSWORD}@127.0.0.1:8000",  # no scheme
+    f"http://alice:secret\t{PASSWORD}@127.0.0.1:8000",  # whitespace in the userinfo
+    f"http://alice:{PASSWORD}\n@127.0.0.1:8000",
+    f"HTTP://alice:{PASSWORD}@127.0.0.1:8000",
+    f"http://alice:{PASSWORD}@@127.0.0.1:8000",
+    f"{PASSWORD}@127.0.0.1:8000",  # no ':' before the @: masked under a url key only
+])
+def test_userinfo_of_url_like_values_is_masked_whatever_the_form(value: str) -> None:
+    """Not a URL parse: everything before the last @ of a url-like value is masked, wherever the
+    value is rendered (the url, the whole engine, a route's engine)."""
+    quoted = value.replace("\\", "\\\\").replace("\t", "\\t").replace("\n", "\\n")
+    texts = [f'engines:\n  a: {{kind: vllm, url: "{quoted}"}}\n{ROUTES}']
+    if ":" in value.partition("@")[0]:
+        texts += [f'engines:\n  a: ["{quoted}"]\n{ROUTES}',
+                  f'engines:\n  a: {{kind: vllm, url: "http://h:1"}}\n'
+                  f'routes: [{{prefix: /, engine: "{quoted}"}}]\n']
+    for text in texts:
+        message = problems_of(text)
+        assert PASSWORD not in message and "alice" not in message, (
+            f"expected nothing before the @ shown, got:\n{message}")
+        assert "***@127.0.0.1:8000" in message, f"expected the host still shown, got:\n{message}"
+
+
+def test_values_with_an_at_sign_but_no_userinfo_stay_readable() -> None:
+    """An @ with no ':' before it, outside a url, is no userinfo (an e-mail address)."""
+    message = problems_of(f"{ENGINE}routes: [{{prefix: /, engine: ops@example.com}}]\n",
+                          env={"KEY": "k"})
+    assert "  - routes.0.engine:" in message and "'ops@example.com'" in message, message
+
+
 # --- admin.cancel_token ---------------------------------------------------------------------
 
 TOKEN_CONFIG = "admin:\n  cancel_token: ${T}\n" + ENGINE + ROUTES
@@ -251,6 +287,11 @@ def test_readme_config_table_names_every_kind_and_its_default_paths() -> None:
      (4, 6)),
     ("engines:\n  a:\n    kind: vllm\n    url: 'http://h:1'\n    abort: {api_key: x, api_key: y}\n"
      + ROUTES, "engines.a.abort.api_key", (5, 5)),
+    # `<<` twice: PyYAML merges both silently, the second winning on shared keys
+    ("x-a: &a {kind: vllm}\nx-b: &b {url: 'http://h:1'}\nengines:\n  a: {<<: *a, <<: *b}\n"
+     + ROUTES, "engines.a.<<", (4, 4)),
+    ("x-a: &a {kind: vllm, url: 'http://h:1'}\nengines:\n  a:\n    <<: *a\n    <<: *a\n"
+     + ROUTES, "engines.a.<<", (4, 5)),
 ])
 def test_duplicate_keys_are_located_errors_with_both_lines(
         text: str, location: str, lines: tuple[int, int]) -> None:
@@ -260,10 +301,16 @@ def test_duplicate_keys_are_located_errors_with_both_lines(
         f"expected a duplicate key at {location} (lines {first} and {second}), got:\n{message}")
 
 
-def test_yaml_merge_keys_are_not_duplicates() -> None:
-    text = ("x-engine: &base {kind: vllm, url: 'http://h:1'}\n"
-            "engines:\n  a:\n    <<: *base\n    url: 'http://h:2'\n" + ROUTES)
-    message = problems_of(text)  # x-engine is an unknown key, nothing else
+@pytest.mark.parametrize("engines", [
+    "engines:\n  a:\n    <<: *base\n    url: 'http://h:2'\n",
+    "x-url: &url {url: 'http://h:2'}\nengines:\n  a: {<<: [*base, *url]}\n",
+    # merged before its own mapping is read (a shallower mapping merges it): the keys it merged
+    # itself are not its duplicates
+    "x-deep: {a: {b: &mid {<<: *base, url: 'http://h:2'}}}\nengines:\n  a: {<<: *mid}\n",
+])
+def test_yaml_merge_keys_are_not_duplicates(engines: str) -> None:
+    text = "x-engine: &base {kind: vllm, url: 'http://h:1'}\n" + engines + ROUTES
+    message = problems_of(text)  # the x- keys are unknown keys, nothing else
     assert "duplicate" not in message and "  - x-engine:" in message, message
 
 
@@ -287,13 +334,33 @@ def test_unknown_keys_that_look_secret_have_their_values_masked(section: str) ->
     engines = "" if section.startswith("engines") else ENGINE
     routes = "" if section.startswith("routes") else ROUTES
     message = problems_of(f"{section}\n{engines}{routes}", env={"KEY": "k"})
-    assert "Extra inputs are not permitted" in message, message
+    assert "unknown key (value not shown)" in message, message
     assert LEAK not in message, f"the value of a secret-looking key leaked:\n{message}"
 
 
-def test_unknown_keys_that_do_not_look_secret_still_show_their_values() -> None:
+@pytest.mark.parametrize(("section", "location"), [
+    (f"admin: {{cancel_tokn: {LEAK}}}", "admin.cancel_tokn"),
+    (f"admin: {{bearer: {LEAK}}}", "admin.bearer"),
+    (f"listen: {{prot: {LEAK}}}", "listen.prot"),
+    (f"engines:\n  a: {{kind: vllm, url: 'http://h:1', bearer: {LEAK}}}", "engines.a.bearer"),
+    (f"x-anchor: &x {{value: {LEAK}}}", "x-anchor"),
+    # an unknown key inside a mapping rendered whole (a mapping where a list belongs)
+    (f"routes: {{prefix: /, engine: a, bearer: {LEAK}}}", "routes"),
+])
+def test_unknown_keys_never_show_their_values(section: str, location: str) -> None:
+    """A typo's value may be anything (a token under a name the secret pattern misses): the
+    key's name and location are what fixing it takes."""
+    engines = "" if section.startswith("engines") else ENGINE
+    routes = "" if section.startswith("routes") else ROUTES
+    message = problems_of(f"{section}\n{engines}{routes}", env={"KEY": "k"})
+    assert f"  - {location}:" in message, f"expected a problem at {location}, got:\n{message}"
+    assert LEAK not in message, f"the value of an unknown key leaked:\n{message}"
+
+
+def test_unknown_key_problem_names_the_key_without_a_value() -> None:
     message = problems_of(f"listen: {{prot: 8081}}\n{ENGINE}{ROUTES}", env={"KEY": "k"})
-    assert "  - listen.prot: Extra inputs are not permitted (got 8081)" in message, message
+    assert "  - listen.prot: unknown key (value not shown)" in message, message
+    assert "8081" not in message, message
 
 
 # --- the open cancel API warning (CLI) ------------------------------------------------------
@@ -339,3 +406,30 @@ async def test_reload_that_drops_the_cancel_token_beyond_loopback_warns(
         assert len(lines) == 1 and RELOAD_OPEN_API in lines[0], (
             f"expected one reload warning, got {len(lines)}:\n{cli.stderr}")
         assert SECRET not in cli.stderr, f"the token leaked:\n{cli.stderr}"
+
+
+RELOAD_LEAKS = ("secretpw", "HUNTER3TOK")
+
+
+async def test_reload_log_of_a_bad_config_shows_no_userinfo_no_unknown_value(
+        tmp_path: Path) -> None:
+    """The ERROR line of a rejected SIGHUP reload renders problems as --check-config does."""
+    async with cli_process(tmp_path, config_tree(UNREACHABLE)) as cli:
+        after = await cli.wait_log("engine local not ready")
+        cli.config.write_text(
+            "admin: {host: 127.0.0.1, port: 0, cancel_tokn: HUNTER3TOK}\n"
+            "x-a: &a {kind: vllm}\n"
+            "engines:\n"
+            "  local: {kind: vllm, url: 'http:/user:secretpw@127.0.0.1:8000'}\n"
+            "  b: {kind: vllm, url: 'user:secretpw@127.0.0.1:8000'}\n"
+            '  c: {kind: vllm, url: "http://user:secret\\tpw@127.0.0.1:8000"}\n'
+            "  d: {<<: *a, <<: *a, url: 'http:user:secretpw@127.0.0.1:8000'}\n"
+            "routes: [{prefix: /, engine: local}]\n")
+        cli.signal(signal.SIGHUP)
+        after = await cli.wait_log("keeping the running config", after=after)
+        line = cli.stderr_lines[after - 1]
+        for located in ("admin.cancel_tokn", "engines.local.url", "engines.b.url",
+                        "engines.c.url", "engines.d.<<"):
+            assert located in line, f"expected a problem at {located}, got:\n{line}"
+        for leak in RELOAD_LEAKS:
+            assert leak not in cli.stderr, f"{leak} leaked on reload:\n{cli.stderr}"
