@@ -237,8 +237,11 @@ class Supervisor:
         return runner, int(runner.addresses[0][1])
 
     def _live_controls(self) -> list[tuple[int, Path]]:
-        """(pid, control socket) of every worker still running, for the cancel API."""
-        return [(p.pid, self.controls[p.pid]) for p in self.procs if p.returncode is None]
+        """(pid, control socket) of every worker the cancel API must ask: those still running,
+        and those that died (non-zero status, e.g. SIGKILL by the OOM killer): such a worker
+        cannot answer, so an id found nowhere is 502, not 404 (it may have been one of the dead
+        worker's requests). A worker that exited 0 (drained after a stop) is done: skipped."""
+        return [(p.pid, self.controls[p.pid]) for p in self.procs if p.returncode != 0]
 
     def _mark_dead(self, pid: int) -> None:
         """Drop an exited worker's live gauges (its counters still count)."""

@@ -290,6 +290,33 @@ async def test_cancel_while_stopping_skips_the_worker_that_already_exited(
     assert engine.record.aborted_ids() == [f"chatcmpl-{request_id}"], engine.record.aborts
 
 
+async def test_a_killed_worker_makes_an_id_found_nowhere_a_502(
+        engine: FakeEngine, tmp_path: Path) -> None:
+    """A worker killed by SIGKILL (the OOM killer) takes its requests with it: the supervisor
+    cannot tell whether an id was one of them, so an id no live worker has is 502
+    ``worker_unreachable``, not 404, while the surviving worker drains (grace 20 s); an id on
+    the survivor is still found. Before, a dead worker was skipped and the answer was 404."""
+    tree = config_tree(engine.url, grace_s=20.0)
+    async with (cli_process(tmp_path, tree, "--workers", "2") as cli, AsyncExitStack() as stack,
+                aiohttp.ClientSession() as admin, asyncio.timeout(60)):
+        workers = psutil.Process(cli.proc.pid).children()
+        port, streams = engine_port(engine), []
+        while not all(upstream_connections(workers, port).values()):
+            assert len(streams) < 16, "the kernel put every connection on one worker"
+            streams.append(await open_stream(stack, cli.proxy_port))
+        held = upstream_connections(workers, port)
+        victim = workers[0]
+        victim.kill()
+        await asyncio.to_thread(victim.wait, WAIT_S)
+        unknown = await cancel(admin, cli.admin_port, "0" * 32)
+        answers = [await cancel(admin, cli.admin_port, rid) for _, _, rid in streams]
+    assert (unknown[0], unknown[1]["error"]["type"]) == (502, "worker_unreachable"), unknown
+    found = [a for a in answers if a[0] == 200]
+    unreachable = [a for a in answers if a[0] == 502]
+    assert found and unreachable and len(found) + len(unreachable) == len(answers), answers
+    assert len(unreachable) == held[victim.pid], (held, answers)
+
+
 async def test_without_an_admin_listener_workers_get_no_control_socket(
         engine: FakeEngine, tmp_path: Path) -> None:
     config = tmp_path / "sidecar.yaml"
