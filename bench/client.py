@@ -251,10 +251,7 @@ async def streams(cmd: dict[str, Any]) -> dict[str, Any]:
         timed_out = True
     if probe_task is not None:
         probe_task.cancel()
-        try:
-            await probe_task
-        except asyncio.CancelledError:
-            pass
+        await asyncio.wait({probe_task})  # its end, without swallowing a cancel of our own
     wall = time.monotonic() - started
     return {"main": main.summary(), "probe": probe.summary(), "wall_s": wall,
             "timed_out": timed_out,
