@@ -184,7 +184,8 @@ class KindEngine:
             work.stop.set()
             self._end(work)
         elif work.running:  # goes on for nobody until aborted or LINGER_S
-            task = asyncio.ensure_future(self._linger(work))
+            task = asyncio.get_running_loop().create_task(
+                self._linger(work), name=f"{self.kind} linger {work.engine_ids[0]}")
             self._tasks.add(task)
             task.add_done_callback(self._tasks.discard)
         self.watch.changed()

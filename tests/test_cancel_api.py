@@ -16,14 +16,12 @@ import asyncio
 import json
 import logging
 from collections.abc import Callable
-from contextlib import suppress
 from pathlib import Path
 from typing import Any
 
 import aiohttp
 import openai
 import pytest
-from prometheus_client.parser import text_string_to_metric_families
 
 from sidecar.config import load_config, parse_config
 from sidecar.errors import ConfigError
@@ -31,6 +29,7 @@ from sidecar.server import Servers
 from tests import rawhttp
 from tests.conftest import sidecar_settings
 from tests.fake_engine import FakeEngine
+from tests.support import metrics, no_event, settle
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -57,12 +56,20 @@ async def cancel(admin_port: int, request_id: str, token: str | None = None
         return r.status, await r.json()
 
 
-async def metric_values(admin_port: int) -> dict[tuple[str, frozenset[tuple[str, str]]], float]:
-    async with aiohttp.ClientSession() as s, s.get(
-            f"http://127.0.0.1:{admin_port}/metrics") as r:
-        text = await r.text()
-    return {(sample.name, frozenset(sample.labels.items())): sample.value
-            for family in text_string_to_metric_families(text) for sample in family.samples}
+async def started_request_id(engine: FakeEngine) -> str:
+    """The sidecar id of the request the engine started (the first), once it has."""
+    await asyncio.wait_for(engine.record.started_event.wait(), WAIT_S)
+    request_id = engine.record.generations[0].request_id
+    assert request_id is not None, "the engine got no X-Request-Id"
+    return request_id
+
+
+def access_line(caplog: pytest.LogCaptureFixture, request_id: str) -> dict[str, Any]:
+    """The one access line logged for ``request_id`` (fails if there is not exactly one)."""
+    lines = [r.__dict__["access"] for r in caplog.records if r.name == "sidecar.access"
+             and r.__dict__["access"]["request_id"] == request_id]
+    assert len(lines) == 1, f"expected one access line for {request_id}, got {lines}"
+    return dict(lines[0])
 
 
 async def aborted_once(engine: FakeEngine, expected: list[str], proxy_port: int) -> None:
@@ -72,10 +79,8 @@ async def aborted_once(engine: FakeEngine, expected: list[str], proxy_port: int)
     await asyncio.wait_for(engine.record.abort_event.wait(), WAIT_S)
     await asyncio.wait_for(engine.record.closed_event.wait(), WAIT_S)
     engine.record.abort_event.clear()
-    with suppress(TimeoutError):
-        await asyncio.wait_for(engine.record.abort_event.wait(), QUIET_S)
-    async with aiohttp.ClientSession() as s, s.get(f"http://127.0.0.1:{proxy_port}/health") as r:
-        assert r.status == 200, f"settle request: expected 200 from /health, got {r.status}"
+    await no_event(engine.record.abort_event, QUIET_S)
+    await settle(proxy_port)
     assert [a.ids for a in engine.record.aborts] == [expected], (
         f"expected one abort call with {expected}, got {[a.ids for a in engine.record.aborts]}")
     closed = [g.closed_at is not None for g in engine.record.generations]
@@ -109,7 +114,7 @@ async def test_cancel_mid_stream_ends_sse_with_an_error_event(
     assert b"[DONE]" not in rest.body, "a cancelled stream must not claim success with [DONE]"
     await aborted_once(engine, [f"chatcmpl-{request_id}"], servers.proxy_port)
 
-    values = await metric_values(servers.admin_port)
+    values = await metrics(servers.admin_port)
     route_phase = frozenset({("route", "/"), ("phase", "streaming")})
     assert values.get(("cancel_sidecar_cancelled_requests_total", route_phase)) == 1.0, values
     disconnects = [v for (n, _), v in values.items()
@@ -118,12 +123,10 @@ async def test_cancel_mid_stream_ends_sse_with_an_error_event(
     cancelled = frozenset({("route", "/"), ("status_class", "cancelled")})
     assert values.get(("cancel_sidecar_requests_total", cancelled)) == 1.0, values
 
-    lines = [r.__dict__["access"] for r in caplog.records if r.name == "sidecar.access"
-             and r.__dict__["access"]["request_id"] == request_id]
-    assert len(lines) == 1, f"expected one access line for {request_id}, got {lines}"
     expected = {"status": 200, "client_disconnected": False, "phase": "streaming",
                 "cancel_reason": "cancelled via API", "abort": "ok"}
-    got = {k: lines[0][k] for k in expected}
+    line = access_line(caplog, request_id)
+    got = {k: line[k] for k in expected}
     assert got == expected, f"expected the access line {expected}, got {got}"
 
 
@@ -159,9 +162,7 @@ async def test_cancel_while_queued_answers_499_json(
     url = f"http://127.0.0.1:{servers.proxy_port}{CHAT}?first_byte_delay=30"
     async with asyncio.timeout(WAIT_S), aiohttp.ClientSession() as session:
         client = asyncio.ensure_future(session.post(url, data=chat_body(stream=True)))
-        await asyncio.wait_for(engine.record.started_event.wait(), WAIT_S)
-        request_id = engine.record.generations[0].request_id
-        assert request_id is not None
+        request_id = await started_request_id(engine)
         status, answer = await cancel(servers.admin_port, request_id)
         response = await client
         body = await response.json()
@@ -182,9 +183,7 @@ async def test_cancel_non_streaming_openai_sdk_gets_499_without_retrying(
         call = asyncio.ensure_future(client.chat.completions.create(
             model="m", messages=[{"role": "user", "content": "hi"}],
             extra_query={"tokens": 1000, "interval": 0.01}))
-        await asyncio.wait_for(engine.record.started_event.wait(), WAIT_S)
-        request_id = engine.record.generations[0].request_id
-        assert request_id is not None
+        request_id = await started_request_id(engine)
         status, answer = await cancel(servers.admin_port, request_id)
         with pytest.raises(openai.APIStatusError) as caught:
             await call
@@ -204,9 +203,7 @@ async def test_unknown_and_second_cancel_are_404(
     url = f"http://127.0.0.1:{servers.proxy_port}{CHAT}?first_byte_delay=30"
     async with asyncio.timeout(WAIT_S), aiohttp.ClientSession() as session:
         client = asyncio.ensure_future(session.post(url, data=chat_body(stream=True)))
-        await asyncio.wait_for(engine.record.started_event.wait(), WAIT_S)
-        request_id = engine.record.generations[0].request_id
-        assert request_id is not None
+        request_id = await started_request_id(engine)
         first = await cancel(servers.admin_port, request_id)
         second = await cancel(servers.admin_port, request_id)
         (await client).release()
@@ -327,7 +324,7 @@ async def test_cancel_while_a_json_body_is_relayed_cuts_it_short(
     assert 0 < len(got) < int(length), (
         f"expected the body cut short of its {length} bytes, got {len(got)}: {got!r}")
     await aborted_once(engine, [f"chatcmpl-{request_id}"], servers.proxy_port)
-    values = await metric_values(servers.admin_port)
+    values = await metrics(servers.admin_port)
     labels = frozenset({("route", "/"), ("phase", "awaiting_response")})
     assert values.get(("cancel_sidecar_cancelled_requests_total", labels)) == 1.0, values
 
@@ -359,7 +356,7 @@ async def test_after_done_a_cancel_or_deadline_adds_nothing_to_the_stream(
     assert b"error" not in rest.body and seen.count(b"data:") == 4, (seen, rest.body)
     await asyncio.sleep(0.3)
     assert engine.record.aborts == [], engine.record.aborted_ids()
-    values = await metric_values(servers.admin_port)
+    values = await metrics(servers.admin_port)
     early = [(n, v) for (n, _), v in values.items() if v and n in (
         "cancel_sidecar_cancelled_requests_total", "cancel_sidecar_deadline_exceeded_total",
         "cancel_sidecar_client_disconnects_total")]

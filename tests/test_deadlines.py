@@ -28,7 +28,8 @@ from sidecar.server import Servers
 from tests import rawhttp
 from tests.conftest import sidecar_settings
 from tests.fake_engine import FakeEngine
-from tests.test_cancel_api import aborted_once, chat_body, metric_values
+from tests.support import metrics
+from tests.test_cancel_api import aborted_once, access_line, chat_body
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -84,18 +85,16 @@ async def test_deadline_mid_stream_ends_sse_with_an_error_event(
     assert request_id, response.headers
     await aborted_once(engine, [f"chatcmpl-{request_id}"], servers.proxy_port)
 
-    values = await metric_values(servers.admin_port)
+    values = await metrics(servers.admin_port)
     labels = frozenset({("route", "/"), ("phase", "streaming")})
     assert values.get(("cancel_sidecar_deadline_exceeded_total", labels)) == 1.0, values
     cancelled = [v for (n, _), v in values.items()
                  if n == "cancel_sidecar_cancelled_requests_total" and v]
     assert cancelled == [], f"a deadline is not a cancel API call, got {cancelled}"
-    lines = [r.__dict__["access"] for r in caplog.records if r.name == "sidecar.access"
-             and r.__dict__["access"]["request_id"] == request_id]
-    assert len(lines) == 1, f"expected one access line for {request_id}, got {lines}"
     expected = {"status": 200, "client_disconnected": False, "phase": "streaming",
                 "cancel_reason": "deadline exceeded", "abort": "ok"}
-    got = {k: lines[0][k] for k in expected}
+    line = access_line(caplog, request_id)
+    got = {k: line[k] for k in expected}
     assert got == expected, f"expected the access line {expected}, got {got}"
 
 
@@ -114,7 +113,7 @@ async def test_deadline_while_queued_answers_504_json(
     request_id = response.headers.get("X-Request-Id")
     assert request_id, response.headers
     await aborted_once(engine, [f"chatcmpl-{request_id}"], servers.proxy_port)
-    values = await metric_values(servers.admin_port)
+    values = await metrics(servers.admin_port)
     labels = frozenset({("route", "/"), ("phase", "before_first_byte")})
     assert values.get(("cancel_sidecar_deadline_exceeded_total", labels)) == 1.0, values
 
@@ -138,7 +137,7 @@ async def test_deadline_non_streaming_answers_504_and_the_sdk_does_not_retry(
     request_id = caught.value.response.headers.get("x-request-id")
     assert request_id, caught.value.response.headers
     await aborted_once(engine, [f"chatcmpl-{request_id}"], servers.proxy_port)
-    values = await metric_values(servers.admin_port)
+    values = await metrics(servers.admin_port)
     labels = frozenset({("route", "/"), ("phase", "awaiting_response")})
     assert values.get(("cancel_sidecar_deadline_exceeded_total", labels)) == 1.0, values
 
@@ -216,7 +215,7 @@ async def test_a_request_done_before_its_deadline_is_never_aborted(
     assert response.body.endswith(b"data: [DONE]\n\n"), response.body[-100:]
     assert r.status == 200 and "choices" in plain, plain
     assert engine.record.aborts == [], f"expected no abort, got {engine.record.aborts}"
-    values = await metric_values(servers.admin_port)
+    values = await metrics(servers.admin_port)
     exceeded = [v for (n, _), v in values.items()
                 if n == "cancel_sidecar_deadline_exceeded_total" and v]
     assert exceeded == [], f"expected no deadline exceeded, got {exceeded}"
@@ -289,7 +288,7 @@ async def test_deadline_while_the_client_sends_its_body_answers_504_without_abor
         assert r.status == 200
     assert engine.record.aborts == [], (
         f"the engine never had the whole request: no abort expected, got {engine.record.aborts}")
-    values = await metric_values(servers.admin_port)
+    values = await metrics(servers.admin_port)
     labels = frozenset({("route", "/"), ("phase", "request_body")})
     assert values.get(("cancel_sidecar_deadline_exceeded_total", labels)) == 1.0, values
 
@@ -328,16 +327,14 @@ async def test_deadline_while_a_json_body_is_relayed_cuts_it_short(
     await aborted_once(engine, [f"chatcmpl-{request_id}"], servers.proxy_port)
     assert not engine.record.generations[0].finished, "the engine must not have finished"
 
-    values = await metric_values(servers.admin_port)
+    values = await metrics(servers.admin_port)
     labels = frozenset({("route", "/"), ("phase", "awaiting_response")})
     assert values.get(("cancel_sidecar_deadline_exceeded_total", labels)) == 1.0, values
     cancelled = frozenset({("route", "/"), ("status_class", "cancelled")})
     assert values.get(("cancel_sidecar_requests_total", cancelled)) == 1.0, values
-    lines = [r.__dict__["access"] for r in caplog.records if r.name == "sidecar.access"
-             and r.__dict__["access"]["request_id"] == request_id]
-    assert len(lines) == 1, f"expected one access line for {request_id}, got {lines}"
     expected = {"status": 200, "client_disconnected": False, "phase": "awaiting_response",
                 "cancel_reason": "deadline exceeded", "abort": "ok",
                 "bytes_sent": len(response.body)}
-    got = {k: lines[0][k] for k in expected}
+    line = access_line(caplog, request_id)
+    got = {k: line[k] for k in expected}
     assert got == expected, f"expected the access line {expected}, got {got}"

@@ -46,7 +46,8 @@ from sidecar.server import Servers
 from tests import rawhttp
 from tests.conftest import sidecar_settings
 from tests.fake_engine import FakeEngine
-from tests.test_cancel_api import chat_body, metric_values
+from tests.support import metrics
+from tests.test_cancel_api import chat_body
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -137,7 +138,7 @@ def reset(writer: asyncio.StreamWriter) -> None:
 
 async def ends(race: Race) -> tuple[Counter[str], Counter[str]]:
     """The three early-end counters (summed over labels) and requests_total by status class."""
-    values = await metric_values(race.admin_port)
+    values = await metrics(race.admin_port)
     early: Counter[str] = Counter()
     classes: Counter[str] = Counter()
     for (name, labels), value in values.items():

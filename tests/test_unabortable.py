@@ -186,32 +186,22 @@ async def test_sglang_n_samples_disconnect_is_counted_not_aborted(
         f"expected one WARNING naming the metric and reason, got {warned}")
 
 
+@pytest.mark.parametrize(("path", "body"), [
+    # 768 KiB: more than one read can hold, so the body is still arriving at the limit.
+    ("/v1/chat/completions", {"messages": [], "pad": PAD}),
+    # 4 KiB in one write: complete in one read, yet over the limit: the limit is exact (before,
+    # a body that came in one read was rewritten whatever its size).
+    ("/generate", {"text": "x", "pad": "p" * 4096}),
+], ids=["arriving-at-the-limit", "whole-in-one-read"])
 async def test_sglang_body_over_replay_buffer_disconnect_is_counted_not_aborted(
-        sglang: SGLangEngine, start_sidecar: Callable[..., Any]) -> None:
+        sglang: SGLangEngine, start_sidecar: Callable[..., Any], path: str,
+        body: dict[str, Any]) -> None:
     """Relayed unrewritten: SGLang runs it under the client's own rid, which the sidecar never
     names (before this counter it sent an abort for its own id, which matched nothing)."""
     sidecar: Servers = await start_sidecar(sglang_config(
         sglang.url, upstream={"replay_buffer_bytes": SMALL_BUFFER}))
-    body = {"messages": [], "stream": True, "rid": "client-rid", "pad": PAD}
-    reader, writer = await post(sidecar.proxy_port, "/v1/chat/completions", body,
-                                "?tokens=100000")
-    await disconnect_mid_stream(reader, writer, lambda: sglang_closed(sglang))
-    assert [w.engine_ids for w in sglang.works] == [("client-rid",)], (
-        f"expected the body relayed unrewritten, engine ran {sglang.works}")
-    assert await no_call(sglang), f"expected no abort call, got {sglang.calls}"
-    got = await counted(sidecar.admin_port)
-    assert got == {("local", "body_over_replay_buffer"): 1.0}, f"expected one count, got {got}"
-
-
-async def test_a_body_over_the_buffer_in_one_read_is_not_rewritten_either(
-        sglang: SGLangEngine, start_sidecar: Callable[..., Any]) -> None:
-    """The limit is exact: 4 KiB sent in one write over a 1 KiB ``replay_buffer_bytes`` is
-    relayed unrewritten (before, a body that arrived in one read was rewritten whatever its
-    size, so the memory bound was looser than documented)."""
-    sidecar: Servers = await start_sidecar(sglang_config(
-        sglang.url, upstream={"replay_buffer_bytes": SMALL_BUFFER}))
-    body = {"text": "x", "stream": True, "rid": "client-rid", "pad": "p" * 4096}
-    reader, writer = await post(sidecar.proxy_port, "/generate", body, "?tokens=100000")
+    body = {**body, "stream": True, "rid": "client-rid"}
+    reader, writer = await post(sidecar.proxy_port, path, body, "?tokens=100000")
     await disconnect_mid_stream(reader, writer, lambda: sglang_closed(sglang))
     assert [w.engine_ids for w in sglang.works] == [("client-rid",)], (
         f"expected the body relayed unrewritten, engine ran {sglang.works}")

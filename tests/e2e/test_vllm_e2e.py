@@ -34,6 +34,7 @@ import time
 import uuid
 import warnings
 from collections.abc import AsyncIterator, Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -98,20 +99,24 @@ def model_dir() -> Path:
     return build_tiny_model(CACHE / "e2e-llama-8k", **E2E_MODEL_KWARGS)
 
 
-@pytest.fixture(scope="module")
-def engine(model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[VLLMServer]:
+@contextmanager
+def running_engine(model_dir: Path, tmp_path_factory: pytest.TempPathFactory, *,
+                   enable_scale_out: bool = True) -> Iterator[VLLMServer]:
+    """vLLM on the tiny model with the disconnect-hiding middleware; stopped at the end."""
     log = tmp_path_factory.mktemp("vllm") / "vllm.log"
     server = start_vllm_server(model_dir, max_model_len=MAX_MODEL_LEN, log_path=log,
-                               middleware=[HIDE_DISCONNECT_MIDDLEWARE], enable_scale_out=True)
+                               middleware=[HIDE_DISCONNECT_MIDDLEWARE],
+                               enable_scale_out=enable_scale_out)
     try:
         yield server
     finally:
         server.stop()
 
 
-@pytest.fixture(scope="module")
-def sidecar(engine: VLLMServer, tmp_path_factory: pytest.TempPathFactory
-            ) -> Iterator[SidecarProcess]:
+@contextmanager
+def running_sidecar(engine: VLLMServer, tmp_path_factory: pytest.TempPathFactory
+                    ) -> Iterator[SidecarProcess]:
+    """The sidecar's CLI in front of ``engine``; at the end, SIGTERM and an exit 0 checked."""
     sc = start_sidecar(engine.base_url, tmp_path_factory.mktemp("sidecar"))
     try:
         yield sc
@@ -119,6 +124,19 @@ def sidecar(engine: VLLMServer, tmp_path_factory: pytest.TempPathFactory
         status = sc.stop()
     assert status == 0, (f"expected the sidecar to exit 0 on SIGTERM, got {status}; log tail:\n"
                          f"{sc.log_text()[-3000:]}")
+
+
+@pytest.fixture(scope="module")
+def engine(model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[VLLMServer]:
+    with running_engine(model_dir, tmp_path_factory) as server:
+        yield server
+
+
+@pytest.fixture(scope="module")
+def sidecar(engine: VLLMServer, tmp_path_factory: pytest.TempPathFactory
+            ) -> Iterator[SidecarProcess]:
+    with running_sidecar(engine, tmp_path_factory) as sc:
+        yield sc
 
 
 @pytest.fixture(scope="module")

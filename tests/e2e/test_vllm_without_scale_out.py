@@ -27,16 +27,19 @@ from pathlib import Path
 import pytest
 
 from tests.e2e.measure import MetricsSampler
-from tests.e2e.sidecar_process import SidecarProcess, start_sidecar
-from tests.e2e.test_vllm_e2e import (
-    CACHE,
+from tests.e2e.sidecar_process import SidecarProcess
+from tests.e2e.test_vllm_e2e import (  # model_dir and sampler: the same fixtures
     DIRECT_WATCH_S,
-    MAX_MODEL_LEN,
+    model_dir,
+    running_engine,
+    running_sidecar,
+    sampler,
     sidecar_counter,
     start_generating,
 )
-from tests.e2e.tiny_model import E2E_MODEL_KWARGS, build_tiny_model
-from tests.e2e.vllm_server import HIDE_DISCONNECT_MIDDLEWARE, VLLMServer, start_vllm_server
+from tests.e2e.vllm_server import VLLMServer
+
+__all__ = ["model_dir", "sampler"]  # fixtures shared with tests/e2e/test_vllm_e2e.py
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(300), pytest.mark.flaky(reruns=2)]
 
@@ -45,36 +48,16 @@ ANSWER_S = 10.0  # how long the sidecar's startup check / abort call may take to
 
 
 @pytest.fixture(scope="module")
-def model_dir() -> Path:
-    return build_tiny_model(CACHE / "e2e-llama-8k", **E2E_MODEL_KWARGS)
-
-
-@pytest.fixture(scope="module")
 def engine(model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[VLLMServer]:
-    log = tmp_path_factory.mktemp("vllm-no-scale-out") / "vllm.log"
-    server = start_vllm_server(model_dir, max_model_len=MAX_MODEL_LEN, log_path=log,
-                               middleware=[HIDE_DISCONNECT_MIDDLEWARE], enable_scale_out=False)
-    try:
+    with running_engine(model_dir, tmp_path_factory, enable_scale_out=False) as server:
         yield server
-    finally:
-        server.stop()
 
 
 @pytest.fixture(scope="module")
 def sidecar(engine: VLLMServer, tmp_path_factory: pytest.TempPathFactory
             ) -> Iterator[SidecarProcess]:
-    sc = start_sidecar(engine.base_url, tmp_path_factory.mktemp("sidecar-no-scale-out"))
-    try:
+    with running_sidecar(engine, tmp_path_factory) as sc:
         yield sc
-    finally:
-        status = sc.stop()
-    assert status == 0, f"expected exit 0 on SIGTERM, got {status}: {sc.log_text()[-3000:]}"
-
-
-@pytest.fixture
-def sampler(engine: VLLMServer) -> Iterator[MetricsSampler]:
-    with MetricsSampler(engine.base_url, interval=0.01) as s:
-        yield s
 
 
 def readyz(sc: SidecarProcess) -> tuple[int, str]:
