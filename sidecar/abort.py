@@ -82,7 +82,7 @@ _LOGGED_IDS = 8  # sidecar request ids named in a call's log line; the access li
 RETRY_BACKOFF_S = 0.05  # before the first retry, seconds; doubles for each further one
 RETRY_BACKOFF_MAX_S = 1.0
 RETRY_STATUSES = frozenset({502, 503, 504})
-_OK = "ok"
+_OK = "accepted"
 
 # What an abort endpoint's refusal usually means; for the logs and /readyz.
 ABORT_STATUS_HINTS = {

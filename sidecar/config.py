@@ -72,6 +72,12 @@ def _positive_or_none(value: float | None) -> float | None:
     return value
 
 
+def _not_negative(value: float) -> float:
+    if not 0 <= value <= MAX_SECONDS:  # also refuses NaN and infinity
+        raise ValueError(f"must be >= 0 and <= {MAX_SECONDS:.0f} seconds; use 0 for none")
+    return value
+
+
 def _positive(value: float) -> float:
     if not 0 < value <= MAX_SECONDS:  # also refuses NaN and infinity
         raise ValueError(f"must be > 0 and <= {MAX_SECONDS:.0f} seconds")
@@ -136,6 +142,7 @@ Port = Annotated[int, Field(ge=0, le=65535), NotBool]
 LogLevel = Annotated[Literal["DEBUG", "INFO", "WARNING", "ERROR"],
                      BeforeValidator(lambda v: v.upper() if isinstance(v, str) else v)]
 Seconds = Annotated[float, AfterValidator(_positive), NotBool]
+SecondsOrZero = Annotated[float, AfterValidator(_not_negative), NotBool]
 OptionalSeconds = Annotated[float | None, AfterValidator(_positive_or_none), NotBool]
 RoutePrefix = Annotated[str, AfterValidator(_route_prefix)]
 
@@ -172,12 +179,25 @@ class AbortSettings(_Model):
     as ``Authorization: Bearer <key>``; ``timeout_s`` bounds one abort call (one attempt), seconds;
     ``retries``: how many more attempts a call gets after a transient failure (see
     :mod:`sidecar.abort` for which failures are retried).
+
+    Re-sends (the registration window). An engine ignores an abort naming an id it does not know
+    yet, and it learns a request's ids only after preprocessing it (vLLM: chat template,
+    tokenization, media fetches; SGLang: tokenization): an abort sent at once after a client
+    left right after its body would be a no-op, and the request would then run to its end for
+    nobody. So a request that ended early within ``resend_window_s`` seconds of the engine
+    getting its whole body has its ids sent again, 5 ms after the first call and then at
+    intervals doubling up to ``resend_max_interval_s``, the last one when the window closes;
+    after the window one call. The defaults cover text prompts (preprocessing of milliseconds
+    to a few hundred); raise the window for media URLs (seconds of downloads). 0: one call,
+    no re-sends.
     """
 
     path: Annotated[str | None, AfterValidator(_http_path)] = None
     api_key: Annotated[SecretStr | None, AfterValidator(_api_key)] = None
     timeout_s: Seconds = 2.0
     retries: Annotated[int, Field(ge=0, le=10), NotBool] = 2
+    resend_window_s: SecondsOrZero = 2.0
+    resend_max_interval_s: Seconds = 0.2
 
 
 class EngineSettings(_Model):

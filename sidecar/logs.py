@@ -48,7 +48,7 @@ ACCESS_LOGGER = "sidecar.access"
 
 access_log = logging.getLogger(ACCESS_LOGGER)
 
-_OK = "ok"  # a request with several abort calls reports the first that was not ok
+_OK = "accepted"  # a request with several abort calls reports the first that was not accepted
 
 
 def configure_logging(level: str, fmt: LogFormat) -> None:

@@ -125,7 +125,7 @@ async def test_disconnect_storm_aborts_every_request_in_few_calls(
     run = await storm(port, stalls, CUT, COMPLETE)
     await until_aborted(engine, stalls, run.cut_ids)
     await wait_metric(stalls, admin, "cancel_sidecar_aborted_requests_total", CUT,
-                      engine="local", outcome="ok")
+                      engine="local", outcome="accepted")
 
     aborts = engine.record.aborts
     named = Counter(engine.record.aborted_ids())
@@ -146,7 +146,7 @@ async def test_disconnect_storm_aborts_every_request_in_few_calls(
         f"expected the {CUT} aborts batched into at most {CUT // 10} calls, got {len(aborts)}")
     values = await metrics(admin)
     calls = samples(values, "cancel_sidecar_abort_calls_total")
-    assert calls == {frozenset({("engine", "local"), ("outcome", "ok")}): len(aborts)}, (
+    assert calls == {frozenset({("engine", "local"), ("outcome", "accepted")}): len(aborts)}, (
         f"expected {len(aborts)} ok calls and no timeout, got {calls}")
 
 
@@ -174,15 +174,15 @@ async def test_metrics_count_requests_and_calls_apart(
     run = await storm(port, stalls, cut, complete)
     await until_aborted(engine, stalls, run.cut_ids)
     await wait_metric(stalls, admin, "cancel_sidecar_aborted_requests_total", cut,
-                      engine="local", outcome="ok")
+                      engine="local", outcome="accepted")
     values = await metrics(admin)
     received = len(engine.record.aborts)
     print(f"[metrics] {cut} requests aborted in {received} call(s)")
     requests = samples(values, "cancel_sidecar_aborted_requests_total")
-    assert requests == {frozenset({("engine", "local"), ("outcome", "ok")}): cut}, (
+    assert requests == {frozenset({("engine", "local"), ("outcome", "accepted")}): cut}, (
         f"aborted_requests_total: expected {cut} ok, got {requests}")
     calls = samples(values, "cancel_sidecar_abort_calls_total")
-    assert calls == {frozenset({("engine", "local"), ("outcome", "ok")}): received}, (
+    assert calls == {frozenset({("engine", "local"), ("outcome", "accepted")}): received}, (
         f"abort_calls_total: expected the {received} calls the engine received, got {calls}")
     latency = samples(values, "cancel_sidecar_abort_latency_seconds_count")
     assert latency == {frozenset({("engine", "local")}): cut}, (
@@ -224,7 +224,7 @@ async def test_calls_in_flight_are_bounded_and_the_slot_wait_is_not_timed(
     ids = [i for _, i in streams]
     await until_aborted(engine, stalls, ids)
     await wait_metric(stalls, admin, "cancel_sidecar_aborted_requests_total", waves,
-                      2 * timeout_s + WAIT_S, engine="local", outcome="ok")
+                      2 * timeout_s + WAIT_S, engine="local", outcome="accepted")
 
     calls = engine.watch.on(ABORT_PATH)
     overlap = max(sum(1 for c in calls if c.started <= s.started < (c.ended_at or 1e18))
@@ -243,7 +243,7 @@ async def test_calls_in_flight_are_bounded_and_the_slot_wait_is_not_timed(
             f"{MAX_CALLS_PER_ENGINE}, got call sizes {sizes}")
     values = await metrics(admin)
     outcomes = samples(values, "cancel_sidecar_abort_calls_total")
-    assert outcomes == {frozenset({("engine", "local"), ("outcome", "ok")}): len(calls)}, (
+    assert outcomes == {frozenset({("engine", "local"), ("outcome", "accepted")}): len(calls)}, (
         f"expected {len(calls)} ok calls and no timeout (slot wait not timed), got {outcomes}")
 
 
@@ -269,7 +269,7 @@ async def test_request_with_more_ids_than_one_call_is_split_naming_each_once(
     await client.read_until(b"data:")
     rid = head["X-Request-Id"]
     reset(client)
-    outcome = "http_500" if chunk_fails else "ok"
+    outcome = "http_500" if chunk_fails else "accepted"
     await wait_metric(stalls, admin, "cancel_sidecar_aborted_requests_total", 1,
                       engine="local", outcome=outcome)
 
@@ -287,7 +287,7 @@ async def test_request_with_more_ids_than_one_call_is_split_naming_each_once(
         f"aborted_requests_total: expected one request, {outcome}; got {requests}")
     calls = {dict(k)["outcome"]: v
              for k, v in samples(values, "cancel_sidecar_abort_calls_total").items()}
-    assert calls == ({"ok": 2, "http_500": 1} if chunk_fails else {"ok": 3}), calls
+    assert calls == ({"accepted": 2, "http_500": 1} if chunk_fails else {"accepted": 3}), calls
     latency = samples(values, "cancel_sidecar_abort_latency_seconds_count")
     assert sum(latency.values()) == (0 if chunk_fails else 1), (
         f"abort_latency_seconds: expected one observation only if ok, got {latency}")

@@ -330,7 +330,7 @@ async def test_cli_notices_mid_stream_disconnect(engine: FakeEngine, tmp_path: P
         rid = head["X-Request-Id"]
         await settle(port)
         await wait_metric(stalls, admin, "cancel_sidecar_abort_calls_total", 1, WAIT_S,
-                          engine="local", outcome="ok")
+                          engine="local", outcome="accepted")
         counts = disconnect_counts(await metrics(admin))
     abort = engine.record.aborts
     closed = stalls.check("the upstream close", at, closed_at, CLI_GUARD_S)

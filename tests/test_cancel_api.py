@@ -124,7 +124,7 @@ async def test_cancel_mid_stream_ends_sse_with_an_error_event(
     assert values.get(("cancel_sidecar_requests_total", cancelled)) == 1.0, values
 
     expected = {"status": 200, "client_disconnected": False, "phase": "streaming",
-                "cancel_reason": "cancelled via API", "abort": "ok"}
+                "cancel_reason": "cancelled via API", "abort": "accepted"}
     line = access_line(caplog, request_id)
     got = {k: line[k] for k in expected}
     assert got == expected, f"expected the access line {expected}, got {got}"

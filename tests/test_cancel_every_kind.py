@@ -203,7 +203,7 @@ async def check_stopped(stalls: Stalls, d: Deployment, victim: Work, at: float, 
         assert call.authorization == f"Bearer {API_KEY}", call.authorization
         assert call.status == kind.abort_status, (call.status, kind.abort_status)
     values = await metrics(d.admin)
-    outcome = "ok" if kind.abort_status == 200 else f"http_{kind.abort_status}"
+    outcome = "accepted" if kind.abort_status == 200 else f"http_{kind.abort_status}"
     assert sample(values, "cancel_sidecar_abort_calls_total", engine="local",
                   outcome=outcome) == len(calls), f"expected {len(calls)} {outcome} calls"
     if not kind.stops:

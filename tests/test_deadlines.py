@@ -92,7 +92,7 @@ async def test_deadline_mid_stream_ends_sse_with_an_error_event(
                  if n == "cancel_sidecar_cancelled_requests_total" and v]
     assert cancelled == [], f"a deadline is not a cancel API call, got {cancelled}"
     expected = {"status": 200, "client_disconnected": False, "phase": "streaming",
-                "cancel_reason": "deadline exceeded", "abort": "ok"}
+                "cancel_reason": "deadline exceeded", "abort": "accepted"}
     line = access_line(caplog, request_id)
     got = {k: line[k] for k in expected}
     assert got == expected, f"expected the access line {expected}, got {got}"
@@ -333,7 +333,7 @@ async def test_deadline_while_a_json_body_is_relayed_cuts_it_short(
     cancelled = frozenset({("route", "/"), ("status_class", "cancelled")})
     assert values.get(("cancel_sidecar_requests_total", cancelled)) == 1.0, values
     expected = {"status": 200, "client_disconnected": False, "phase": "awaiting_response",
-                "cancel_reason": "deadline exceeded", "abort": "ok",
+                "cancel_reason": "deadline exceeded", "abort": "accepted",
                 "bytes_sent": len(response.body)}
     line = access_line(caplog, request_id)
     got = {k: line[k] for k in expected}

@@ -217,7 +217,7 @@ async def one_round(race: Race, *, stream: bool, deadline: bool, cancel: bool, r
         f"{dict(classes_after - classes_before)}: {what}")
     assert len(lines) == 1, f"expected one access line: {what}"
     line = lines[0]
-    assert (line["cancel_reason"], line["abort"]) == (REASONS[winner], "ok"), (
+    assert (line["cancel_reason"], line["abort"]) == (REASONS[winner], "accepted"), (
         f"expected cancel_reason {REASONS[winner]!r} and abort ok: {what}")
     if winner == DISCONNECT:
         assert line["client_disconnected"] is True, f"expected client_disconnected: {what}"

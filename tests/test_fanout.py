@@ -176,11 +176,11 @@ async def test_disconnect_aborts_every_listed_engine_with_its_ids(
             f"{name} is in no abort list, yet it got an abort call")
     print(f"[{phase}] " + ", ".join(f"{n} abort {ms(t)}" for n, t in arrivals.items()))
     counts = aborted_requests(await metrics(servers.admin_port or 0))
-    assert counts == {("prefill", "ok"): 1, ("decode", "ok"): 1}, (
+    assert counts == {("prefill", "accepted"): 1, ("decode", "accepted"): 1}, (
         f"expected one aborted request counted per engine, got {counts}")
     await stalls.wait(access_lines.arrived.wait(), "the access line")
     line = access_lines.lines.get(sidecar_id, {})
-    assert (line.get("engine"), line.get("abort")) == ("router", "ok"), (
+    assert (line.get("engine"), line.get("abort")) == ("router", "accepted"), (
         f"expected the access line of {sidecar_id} with engine router and abort ok, got {line}")
 
 
@@ -289,7 +289,7 @@ async def test_one_failing_engine_does_not_stop_the_others(
     assert line.get("abort") == outcome, (
         f"expected the access line's abort to be the failed engine's {outcome}, got {line}")
     counts = aborted_requests(await metrics(servers.admin_port or 0))
-    assert counts == {("prefill", outcome): 1, ("decode", "ok"): 1}, counts
+    assert counts == {("prefill", outcome): 1, ("decode", "accepted"): 1}, counts
 
 
 async def test_completed_request_aborts_nothing_anywhere(

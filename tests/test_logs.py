@@ -146,7 +146,7 @@ async def test_json_lines_one_access_line_per_request_and_no_secrets(
             c.disconnect("rst")
         gone_id = head["X-Request-Id"]
         await wait_metric(stalls, run.admin, "cancel_sidecar_abort_calls_total", 1,
-                          engine="local", outcome="ok")
+                          engine="local", outcome="accepted")
 
     lines = [line for line in run.stderr.splitlines() if line]
     assert lines, "expected log lines on stderr"
@@ -190,7 +190,7 @@ async def test_json_lines_one_access_line_per_request_and_no_secrets(
     gone = by_id[gone_id]
     expected_gone = {"client_request_id": None, "route": "/", "engine": "local",
                      "method": "POST", "path": COMPLETIONS, "status": 200,
-                     "client_disconnected": True, "phase": "streaming", "abort": "ok"}
+                     "client_disconnected": True, "phase": "streaming", "abort": "accepted"}
     got = {k: gone[k] for k in expected_gone}
     assert got == expected_gone, f"disconnected stream: expected {expected_gone}, got {got}"
     assert gone["bytes_sent"] > 0, f"expected the first event counted in bytes_sent: {gone}"
@@ -289,7 +289,7 @@ async def test_access_line_for_a_first_byte_timeout_and_an_unrouted_path(
     assert len(got) == 2, f"expected two access lines (504, 404), got {got}"
     by_path = {line["path"]: line for line in got}
     expected_504 = {"request_id": timed_out, "route": "/v1", "engine": "local", "status": 504,
-                    "client_disconnected": False, "phase": "before_first_byte", "abort": "ok"}
+                    "client_disconnected": False, "phase": "before_first_byte", "abort": "accepted"}
     line = by_path.get(CHAT, {})
     assert {k: line.get(k) for k in expected_504} == expected_504, (
         f"504: expected {expected_504}, got {line}")

@@ -136,11 +136,11 @@ async def test_metrics_count_scripted_traffic(engine: FakeEngine,
     await disconnect(engine, stalls, port, f"{GENERATE}?first_byte_delay=5",
                      request_body({"token_ids": [1]}, True), streamed=False)
     await wait_metric(stalls, admin, "cancel_sidecar_abort_calls_total", 1,
-                      engine="local", outcome="ok")
+                      engine="local", outcome="accepted")
     await disconnect(engine, stalls, port, f"{GENERATE}?tokens=1000",
                      request_body({"token_ids": [1]}, True), streamed=True)
     await wait_metric(stalls, admin, "cancel_sidecar_abort_calls_total", 2,
-                      engine="local", outcome="ok")
+                      engine="local", outcome="accepted")
     await disconnect(engine, stalls, port, f"{CHAT}?tokens=1000",
                      request_body({"messages": []}, False), streamed=False)
     await wait_metric(stalls, admin, "cancel_sidecar_abort_calls_total", 1,
@@ -168,7 +168,7 @@ async def test_metrics_count_scripted_traffic(engine: FakeEngine,
                            ("/v1/completions", "streaming"): 1}, (
         f"client_disconnects_total: expected one per phase; got {disconnects}")
     aborts = by(values, "cancel_sidecar_abort_calls_total", "engine", "outcome")
-    assert aborts == {("local", "ok"): 2, ("forbidden", "http_403"): 1,
+    assert aborts == {("local", "accepted"): 2, ("forbidden", "http_403"): 1,
                       ("slow", "timeout"): 1}, f"abort_calls_total: got {aborts}"
     latency = by(values, "cancel_sidecar_abort_latency_seconds_count", "engine")
     assert latency == {("local",): 2}, (

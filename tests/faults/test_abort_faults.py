@@ -92,7 +92,7 @@ FAULTS: dict[str, Fault] = {
     "http_500": Fault(1, {"http_500": 1}, "http_500", ABORT_STATUS_HINTS[500]),
     "http_503": Fault(1 + RETRIES, {"http_503": 1 + RETRIES}, "http_503",
                       ABORT_STATUS_HINTS[503]),
-    "http_503_then_ok": Fault(2, {"http_503": 1, "ok": 1}, "ok", ABORT_STATUS_HINTS[503]),
+    "http_503_then_ok": Fault(2, {"http_503": 1, "accepted": 1}, "accepted", ABORT_STATUS_HINTS[503]),
     "reset": Fault(1 + RETRIES, {"error": 1 + RETRIES}, "error",
                    "the connection was lost before an answer"),
     "refused": Fault(0, {"error": 1 + RETRIES}, "error",
@@ -246,7 +246,7 @@ async def test_abort_failure_never_delays_close_or_other_traffic(
     assert requests == {expect.final: 1}, (
         f"aborted_requests_total: expected the final outcome {expect.final} once, got {requests}")
     latency = sample_count(values, FAILING)
-    assert latency == (1 if expect.final == "ok" else 0), (
+    assert latency == (1 if expect.final == "accepted" else 0), (
         f"abort_latency_seconds: expected one observation only for an ok abort, got {latency}")
     line = access_lines(caplog).get(rid)
     assert line is not None and line["abort"] == expect.final, (
@@ -254,7 +254,7 @@ async def test_abort_failure_never_delays_close_or_other_traffic(
     assert isinstance(line["abort_latency_s"], float), line
 
     # Logs: one WARNING per failed attempt, naming the request and the hint; never the key.
-    failed = sum(n for outcome, n in expect.attempts.items() if outcome != "ok")
+    failed = sum(n for outcome, n in expect.attempts.items() if outcome != "accepted")
     warnings = [r for r in caplog.records if r.name == "sidecar.abort"
                 and r.levelno == logging.WARNING and rid in r.getMessage()]
     messages = [w.getMessage() for w in warnings]
@@ -353,7 +353,7 @@ async def test_hanging_abort_endpoint_queues_at_most_max_queued_ids_then_drains(
     gate.set()  # the endpoint recovers
     kept = len(plan) - 1
     await wait_metric(stalls, admin, "cancel_sidecar_aborted_requests_total", kept,
-                      engine=FAILING, outcome="ok")
+                      engine=FAILING, outcome="accepted")
     drained = time.monotonic()
     calls = engine.watch.on(ABORT_PATH)
     overlap = max(sum(1 for c in calls if c.started <= s.started < (c.ended_at or 1e18))
@@ -376,12 +376,12 @@ async def test_hanging_abort_endpoint_queues_at_most_max_queued_ids_then_drains(
     assert max(sizes) <= MAX_IDS_PER_CALL and overlap <= MAX_CALLS_PER_ENGINE, (sizes, overlap)
     values = await metrics(admin)
     requests = engine_samples(values, "cancel_sidecar_aborted_requests_total", FAILING)
-    assert requests == {"ok": kept, "dropped": 1}, f"aborted_requests_total: got {requests}"
+    assert requests == {"accepted": kept, "dropped": 1}, f"aborted_requests_total: got {requests}"
     calls_by = engine_samples(values, "cancel_sidecar_abort_calls_total", FAILING)
-    assert calls_by == {"ok": len(calls)}, f"abort_calls_total: got {calls_by}"
+    assert calls_by == {"accepted": len(calls)}, f"abort_calls_total: got {calls_by}"
     lines = access_lines(caplog)
     outcomes = Counter(lines[rid]["abort"] for _, rid in streams)
-    assert outcomes == {"ok": kept, "dropped": 1}, f"access lines: got {outcomes}"
+    assert outcomes == {"accepted": kept, "dropped": 1}, f"access lines: got {outcomes}"
     assert_no_key(caplog)
 
 
@@ -414,7 +414,7 @@ async def test_one_huge_request_never_crowds_out_small_ones(
     gate.set()
     victims = streams[2:]
     await wait_metric(stalls, admin, "cancel_sidecar_aborted_requests_total", 1 + len(victims),
-                      engine=FAILING, outcome="ok")
+                      engine=FAILING, outcome="accepted")
     named = Counter(engine.record.aborted_ids())
     huge_rid = streams[1][1]
     for (_, rid), n in zip(victims, plan[2:], strict=True):
@@ -425,7 +425,7 @@ async def test_one_huge_request_never_crowds_out_small_ones(
         "the huge request gave way: none of its ids is sent")
     lines = access_lines(caplog)
     assert lines[huge_rid]["abort"] == "dropped", lines[huge_rid]
-    assert [lines[rid]["abort"] for _, rid in victims] == ["ok"] * len(victims), lines
+    assert [lines[rid]["abort"] for _, rid in victims] == ["accepted"] * len(victims), lines
     assert_no_key(caplog)
 
 
@@ -498,7 +498,7 @@ async def test_a_call_keeps_its_slot_while_it_backs_off(
                       len(streams), route="/", phase="streaming")
     gate.set()
     await wait_metric(stalls, admin, "cancel_sidecar_aborted_requests_total", len(streams),
-                      engine="local", outcome="ok")
+                      engine="local", outcome="accepted")
 
     waiting_id = f"cmpl-{streams[-1][1]}-0"
     first = {f"cmpl-{rid}-0" for _, rid in streams[:-1]}
@@ -514,7 +514,7 @@ async def test_a_call_keeps_its_slot_while_it_backs_off(
         "went out during the backoff")
     values = await metrics(admin)
     calls = engine_samples(values, "cancel_sidecar_abort_calls_total", "local")
-    assert calls == {"http_503": MAX_CALLS_PER_ENGINE, "ok": MAX_CALLS_PER_ENGINE + 1}, calls
+    assert calls == {"http_503": MAX_CALLS_PER_ENGINE, "accepted": MAX_CALLS_PER_ENGINE + 1}, calls
 
 
 async def test_a_redirect_is_never_followed(

@@ -343,7 +343,7 @@ async def test_disconnect_with_an_odd_body_aborts_exactly_the_default_ids(
     assert len(upstream.requests) == 2, f"expected one abort call, got {upstream.requests[2:]}"
     access = _access_lines(caplog)
     assert [(a["phase"], a["client_disconnected"], a["abort"]) for a in access] == [
-        (ODD_BODY_PHASE[name], True, "ok")], access
+        (ODD_BODY_PHASE[name], True, "accepted")], access
     assert not [r for r in caplog.records if r.levelno >= logging.ERROR], caplog.text
 
 

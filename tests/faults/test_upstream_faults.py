@@ -614,7 +614,7 @@ async def test_upstream_fault_aborts_per_kind_spares_other_streams_and_leaks_no_
         assert seen_aborts == expected_aborts, (
             f"{kind}: expected abort calls {expected_aborts}, the engine got {seen_aborts}")
     aborted = samples(values, "cancel_sidecar_aborted_requests_total")
-    assert aborted == ({frozenset({("engine", "faulty"), ("outcome", "ok")}): 1.0}
+    assert aborted == ({frozenset({("engine", "faulty"), ("outcome", "accepted")}): 1.0}
                        if f.aborted else {}), f"{kind}: aborted_requests_total is {aborted}"
     errors = samples(values, "cancel_sidecar_upstream_errors_total")
     assert errors == {frozenset({("engine", "faulty"), ("kind", f.kind)}): 1.0}, (

@@ -247,9 +247,9 @@ async def test_soak_aborts_exactly_the_cut_requests_and_leaks_nothing(
                                 f"got {count}")
         elif count:
             problems.append(f"{o.tag} ({o.phase}): expected no abort, got {count}")
-    calls = sample(values, "cancel_sidecar_abort_calls_total", engine="local", outcome="ok")
+    calls = sample(values, "cancel_sidecar_abort_calls_total", engine="local", outcome="accepted")
     aborted = sample(values, "cancel_sidecar_aborted_requests_total", engine="local",
-                     outcome="ok")
+                     outcome="accepted")
     growth = (after.rss - warm.rss) / warm.rss
     print(f"\n[soak] N={N}, concurrency {CONCURRENCY}, seed {SEED}: {took:.1f} s "
           f"({N / took:.0f} req/s); phases {dict(phases)}; {len(set(named))} aborted in "
