@@ -44,7 +44,7 @@ import aiohttp
 from aiohttp import web
 from multidict import CIMultiDict
 
-from engine import EngineAdapter, Unabortable
+from engine import EngineAdapter, Kept, Unabortable
 from sidecar.abort import Aborter
 from sidecar.config import MAX_SECONDS
 from sidecar.errors import (
@@ -307,6 +307,9 @@ class Exchange:
         copy. An engine that never aborts (kind ``openai``) is close-only by its configuration
         and is never counted."""
         method, path = self.request.method, self.request.path
+        if (kept := engine.kept_after_disconnect(method, path, body)) is not None:
+            self._kept(engine, kept)
+            return ()
         if self.body_unrewritten and engine.rewrites_body(method, path):
             reason: Unabortable | None = Unabortable.BODY_OVER_REPLAY_BUFFER
         else:
@@ -321,6 +324,16 @@ class Exchange:
                     "upstream is closed; counted in cancel_sidecar_unabortable_requests_total"
                     "{reason=\"%s\"}", self.id, engine.name, reason.why, reason)
         return ()
+
+    def _kept(self, engine: EngineAdapter, reason: Kept) -> None:
+        """``engine`` keeps the request after its client leaves on purpose (a background
+        response): no abort call, counted per engine, one INFO line, and the access line's
+        ``kept_by_engine``."""
+        self.metrics.kept.labels(engine.name, reason).inc()
+        if self.access.kept_by_engine(reason):
+            log.info("request %s: not aborted: the engine keeps it after the client leaves "
+                     "(%s: %s); counted in cancel_sidecar_kept_requests_total", self.id,
+                     reason, reason.why)
 
     def _phase(self, body: bytes | None) -> str:
         """Where the request was when it stopped: ``request_body`` (the engine never had all of
