@@ -7,8 +7,9 @@ response, writing a stream). :meth:`Exchange.cancel` then closes the upstream co
 starts the engine abort in its own task, and the cancellation propagates.
 
 A write that fails because the client is gone takes the same path. The engine is aborted only if
-it has the whole request and has not finished its response; a client that leaves right after the
-last byte costs nothing.
+it has the whole request and has not finished its response, and does not keep it on purpose after
+the client leaves (a background response: ``EngineAdapter.kept_after_disconnect``); a client that
+leaves right after the last byte costs nothing.
 
 A client that reads slowly is not gone: each write waits while more than
 ``downstream.write_buffer_bytes`` are unsent, and the relay reads the engine only after its write,
@@ -302,8 +303,9 @@ class Exchange:
                  f"aborting {aborting} engine id(s)" if aborting else "nothing to abort")
 
     def _engine_ids(self, engine: EngineAdapter, body: bytes | None) -> tuple[str, ...]:
-        """The ids to abort at ``engine``; none, counted and logged, if the engine may still run
-        the request under ids the sidecar cannot know (``Unabortable``). ``body``: the kept
+        """The ids to abort at ``engine``; none, counted and logged, if the engine keeps the
+        request after its client leaves (``Kept``: :meth:`_kept`) or may still run it under ids
+        the sidecar cannot know (``Unabortable``). ``body``: the kept
         copy. An engine that never aborts (kind ``openai``) is close-only by its configuration
         and is never counted."""
         method, path = self.request.method, self.request.path

@@ -344,3 +344,31 @@ async def test_cancel_passes_through_to_the_engine(
         f"{stored.status!r}")
     await asyncio.sleep(0)
     assert engine.calls == [], f"expected no abort call, got {[c.ids for c in engine.calls]}"
+
+
+@pytest.mark.parametrize("ending", ["cancel_api", "deadline"])
+async def test_sidecar_ending_a_background_stream_does_not_abort_it(
+        ending: str, engine: ResponsesEngine, servers: Servers, access: AccessLines) -> None:
+    """The sidecar's own endings (the cancel API, a deadline) end the client's stream with their
+    error event, and leave the engine's background work alone, as a disconnect does."""
+    assert servers.admin_port is not None, "the test config has an admin listener"
+    base = f"http://127.0.0.1:{servers.proxy_port}"
+    headers = {"X-Sidecar-Deadline-S": "0.3"} if ending == "deadline" else {}
+    async with aiohttp.ClientSession() as session:
+        async with session.post(base + RESPONSES + "?interval=0.02", headers=headers,
+                                data=background_body(stream=True)) as resp:
+            assert resp.status == 200, f"expected a 200 stream, got {resp.status}"
+            sidecar_id = resp.headers["X-Request-Id"]
+            await resp.content.readuntil(b"\n\n")
+            if ending == "cancel_api":
+                async with session.post(f"http://127.0.0.1:{servers.admin_port}/v1/requests/"
+                                        f"{sidecar_id}/cancel") as answer:
+                    assert answer.status == 200, f"expected the cancel accepted: {answer.status}"
+            async with asyncio.timeout(WAIT_S):
+                rest = await resp.content.read()
+    assert b'"error"' in rest.rsplit(b"data: ", 1)[-1], (
+        f"expected the stream to end with the sidecar's error event, got {rest[-200:]!r}")
+    await ran_to_the_end(engine, servers, only(engine))
+    fields = access.lines[sidecar_id]
+    assert (fields["abort"], fields["kept_by_engine"]) == (None, BG), (
+        f"expected no abort and kept_by_engine {BG}, got {fields}")
