@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 
-from engine.base import AbortCall, EngineAdapter, Unabortable
+from engine.base import AbortCall, EngineAdapter, Kept, Unabortable
 from engine.openai import OpenAIAdapter
 from engine.sglang import SGLangAdapter
 from engine.vllm import VLLMAdapter
@@ -26,4 +26,4 @@ def build_adapters(engines: Mapping[str, EngineSettings]) -> dict[str, EngineAda
     return {name: ADAPTERS[s.kind](name, s) for name, s in engines.items()}
 
 
-__all__ = ["ADAPTERS", "AbortCall", "EngineAdapter", "Unabortable", "build_adapters"]
+__all__ = ["ADAPTERS", "AbortCall", "EngineAdapter", "Kept", "Unabortable", "build_adapters"]

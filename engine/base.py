@@ -17,6 +17,12 @@ question, only when it ends early (cold path): :meth:`EngineAdapter.unabortable`
 :class:`Unabortable` reason the engine runs it under ids the sidecar cannot know. The proxy
 counts it in ``cancel_sidecar_unabortable_requests_total{engine, reason}``.
 
+Before either, an early end asks :meth:`EngineAdapter.kept_after_disconnect`: the
+:class:`Kept` reason the engine keeps the request running on purpose after its client leaves
+(a background response, :mod:`engine.responses`). Such a request is never aborted, only its
+upstream connection closed; the proxy counts it in
+``cancel_sidecar_kept_requests_total{engine, reason}``.
+
 The proxy owns all network I/O; adapters never touch a socket, so each can be tested exhaustively
 (and property-tested) on its own.
 """
@@ -112,6 +118,31 @@ _WHY = {
 }
 
 
+class Kept(enum.StrEnum):
+    """Why a request that ended early got no abort call on purpose: its engine keeps the work
+    after the client leaves, by design, so aborting it would destroy what the client will come
+    back for. The value is the ``reason`` label of ``cancel_sidecar_kept_requests_total`` and the
+    access line's ``kept_by_engine``; the set is fixed (low cardinality)."""
+
+    # POST /v1/responses with "background": true: generated to its end and stored.
+    BACKGROUND_RESPONSE = "background_response"
+    # GET /v1/responses/{id} (JSON, or stream=true resuming with starting_after): a reader of a
+    # stored response, which goes on whether or not this reader stays.
+    RESPONSE_RETRIEVAL = "response_retrieval"
+
+    @property
+    def why(self) -> str:
+        """One clause for a log line."""
+        return _KEPT_WHY[self]
+
+
+_KEPT_WHY = {
+    Kept.BACKGROUND_RESPONSE: "a background response runs to its end and is stored for the "
+                              "client to fetch",
+    Kept.RESPONSE_RETRIEVAL: "it reads a stored response, which goes on without this reader",
+}
+
+
 @dataclass(frozen=True, slots=True)
 class AbortCall:
     """One HTTP call to an engine's abort endpoint: ``POST <engine url><path>`` with ``json``."""
@@ -172,7 +203,8 @@ class EngineAdapter(abc.ABC):
 
     @abc.abstractmethod
     def wants_body(self, method: str, path: str) -> bool:
-        """True if :meth:`engine_request_ids` needs a copy of the request body for this route."""
+        """True if :meth:`engine_request_ids` or :meth:`kept_after_disconnect` needs a copy of
+        the request body for this route (kept until the request ends)."""
 
     @abc.abstractmethod
     def engine_request_ids(
@@ -190,6 +222,15 @@ class EngineAdapter(abc.ABC):
         route generates nothing, or the kind never aborts: ``openai`` is close-only by its
         configuration, already visible as its kind). ``body`` as for :meth:`engine_request_ids`.
         Cold path: called only on an early end. Never raises on a malformed body."""
+        return None
+
+    def kept_after_disconnect(self, method: str, path: str, body: bytes | None) -> Kept | None:
+        """For a request that ended early: the reason its engine keeps running it on purpose
+        after the client leaves (then it is never aborted, only its upstream closed), or
+        ``None`` (abort it as usual). Judged from ``method``, ``path`` and ``body`` (the copy, as
+        for :meth:`engine_request_ids`; ``None`` if not kept: then ``None``, unless the path
+        alone decides). Cold path: called only on an early end. Never raises on a malformed
+        body."""
         return None
 
     @abc.abstractmethod

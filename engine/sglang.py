@@ -29,6 +29,11 @@ and function, and where issue 4's claims hold):
   names each exact id; ``{id}_1`` also matching ``{id}_10`` stays within the same request.
   Sidecar ids are ``uuid4().hex``: 32 characters each, and a string is a prefix of another of
   the same length only if they are equal, so no request's ids reach another's.
+- ``/v1/responses`` is not tagged (SGLang's responses handler takes ``request_id``, not ``rid``),
+  so it is never aborted by id; a background one (``"background": true``) is kept by SGLang on
+  purpose after the client leaves, and a ``GET /v1/responses/{id}`` reads a stored one:
+  :meth:`SGLangAdapter.kept_after_disconnect` says so, for the count and the access line
+  (facts in :mod:`engine.responses`).
 - One rid per call (``rid`` is ``Optional[str]``): ``max_ids_per_call = 1``. Never
   ``abort_all``; clients may not reach the endpoints that abort others' work.
 """
@@ -42,11 +47,13 @@ from typing import Any
 from engine.base import (
     AbortCall,
     EngineAdapter,
+    Kept,
     Unabortable,
     lax_int,
     parse_json,
     with_field,
 )
+from engine.responses import RESPONSES_PATH, kept
 from sidecar.config import EngineKind, EngineSettings
 
 log = logging.getLogger(__name__)
@@ -148,7 +155,13 @@ class SGLangAdapter(EngineAdapter):
         return with_field(body, "rid", sidecar_id)
 
     def wants_body(self, method: str, path: str) -> bool:
-        return self.rewrites_body(method, path)
+        """The ``rid`` routes, and ``/v1/responses`` (is it background?)."""
+        return self.rewrites_body(method, path) or (method == "POST" and path == RESPONSES_PATH)
+
+    def kept_after_disconnect(self, method: str, path: str, body: bytes | None) -> Kept | None:
+        """``background_response`` for a background ``POST /v1/responses``,
+        ``response_retrieval`` for ``GET /v1/responses/{id}`` (:mod:`engine.responses`)."""
+        return kept(method, path, body, refuses_unstored=False)
 
     def engine_request_ids(
         self, method: str, path: str, sidecar_id: str, body: bytes | None

@@ -41,6 +41,13 @@ Facts (vLLM 0.32, read in the installed source and proven on a real engine by ``
   needs no body for its id), so a streamed chat beam search that ends after its head is
   aborted as ``chatcmpl-{id}`` (a no-op) and not counted; a non-streaming one gets its head
   only with the whole response, so it is always detected.
+- A background response (``POST /v1/responses`` with ``"background": true``, stream or not) runs
+  in a task of its own, is stored and served again by ``GET /v1/responses/{id}``: vLLM keeps
+  it after the client leaves on purpose, so it is never aborted
+  (:meth:`VLLMAdapter.kept_after_disconnect`, ``background_response``; the facts in
+  :mod:`engine.responses`); nor is a reader of a stored response (``response_retrieval``).
+  ``POST /v1/responses/{id}/cancel`` is vLLM's way to stop one: proxied like any route. The
+  ``/v1/responses`` body copy is kept for that decision (:meth:`VLLMAdapter.wants_body`).
 - The abort endpoint exists only when vLLM runs with ``--enable-scale-out``; otherwise it answers
   403. It answers 200 at once and ignores unknown ids. It is guarded by ``--api-key``.
 - Never send an empty id list: the dev-mode route ``/abort_requests`` reads that as "abort all".
@@ -56,11 +63,13 @@ from typing import Any
 from engine.base import (
     AbortCall,
     EngineAdapter,
+    Kept,
     Unabortable,
     lax_bool,
     parse_json,
     with_field,
 )
+from engine.responses import RESPONSES_PATH, kept
 from sidecar.config import EngineKind
 
 REQUEST_ID_HEADER = "X-Request-Id"
@@ -136,7 +145,6 @@ ROUTES: dict[str, tuple[bool, IdRule]] = {
     "/invocations": (True, _invocations),
 }
 
-RESPONSES_PATH = "/v1/responses"
 # Routes whose body may ask for beam search (ChatCompletionRequest, CompletionRequest).
 BEAM_SEARCH_ROUTES = frozenset({"/v1/completions", "/v1/chat/completions", "/invocations"})
 
@@ -164,8 +172,9 @@ class VLLMAdapter(EngineAdapter):
         headers[REQUEST_ID_HEADER] = sidecar_id
 
     def wants_body(self, method: str, path: str) -> bool:
+        """The routes whose ids depend on the body, and ``/v1/responses`` (is it background?)."""
         rule = ROUTES.get(path) if method == "POST" else None
-        return rule is not None and rule[0]
+        return rule is not None and (rule[0] or path == RESPONSES_PATH)
 
     def engine_request_ids(
         self, method: str, path: str, sidecar_id: str, body: bytes | None
@@ -180,6 +189,12 @@ class VLLMAdapter(EngineAdapter):
         if method == "POST" and beam_search(path, body):
             return Unabortable.VLLM_BEAM_SEARCH
         return None
+
+    def kept_after_disconnect(self, method: str, path: str, body: bytes | None) -> Kept | None:
+        """``background_response`` for a background ``POST /v1/responses`` that vLLM runs (not
+        one it refuses: ``store`` falsy), ``response_retrieval`` for ``GET /v1/responses/{id}``
+        (:mod:`engine.responses`)."""
+        return kept(method, path, body, refuses_unstored=True)
 
     def rewrites_body(self, method: str, path: str) -> bool:
         return method == "POST" and path == RESPONSES_PATH

@@ -33,6 +33,9 @@ requests, run in their own tasks and outlive the handler). JSON fields, in order
                          engines (routes[].abort) the first that was not accepted over them all
     abort_latency_s      seconds from noticing the disconnect to that outcome (the slowest
                          engine's), or null
+    kept_by_engine       null, or why a request that ended early was not aborted on purpose:
+                         its engine keeps it after the client leaves (background_response,
+                         response_retrieval); its abort is then null
 
 Nothing secret is ever logged: no header values, no query strings, no abort key.
 """
@@ -121,7 +124,7 @@ class RequestLog:
     attributes, no per-chunk work; nothing is formatted unless INFO is enabled.
     """
 
-    __slots__ = ("_abort", "_abort_latency", "_cancel_reason", "_fields", "_pending",
+    __slots__ = ("_abort", "_abort_latency", "_cancel_reason", "_fields", "_kept", "_pending",
                  "_started")
 
     def __init__(self, request_id: str, method: str, path: str, route: str | None,
@@ -135,6 +138,7 @@ class RequestLog:
             "route": route, "engine": engine, "method": method, "path": path,
         }
         self._cancel_reason: str | None = None
+        self._kept: str | None = None
 
     def abort_started(self) -> None:
         """An abort call for this request started; the line waits for its outcome."""
@@ -148,6 +152,13 @@ class RequestLog:
             self._abort = outcome
         self._abort_latency = max(latency_s, self._abort_latency or 0.0)
         self._release()
+
+    def kept_by_engine(self, reason: str) -> bool:
+        """The request was not aborted because its engine keeps it (``reason``); ``False`` if
+        that was already recorded (several abort engines)."""
+        first = self._kept is None
+        self._kept = self._kept or reason
+        return first
 
     def cancelled(self, reason: str) -> None:
         """The sidecar ended the request itself, for ``reason`` (e.g. the cancel API)."""
@@ -168,4 +179,5 @@ class RequestLog:
             fields["abort"] = self._abort
             fields["abort_latency_s"] = (None if self._abort_latency is None
                                          else round(self._abort_latency, 6))
+            fields["kept_by_engine"] = self._kept
             access_log.info("request", extra={"access": fields})

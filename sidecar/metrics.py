@@ -75,6 +75,13 @@ class Metrics:
             "only the upstream connection closed. By engine and reason (sglang_n_samples, "
             "vllm_beam_search, body_over_replay_buffer). Kind openai (close-only) never counts.",
             ["engine", "reason"], registry=registry)
+        self.kept = Counter(
+            "cancel_sidecar_kept_requests_total",
+            "Requests that ended early while their engine keeps running them on purpose after "
+            "the client leaves, so they were never aborted, only their upstream connection "
+            "closed. By engine and reason (background_response: POST /v1/responses with "
+            "background true; response_retrieval: GET /v1/responses/{id}). Not a loss.",
+            ["engine", "reason"], registry=registry)
         self.abort_latency = Histogram(
             "cancel_sidecar_abort_latency_seconds",
             "Per request whose abort was accepted: time from the sidecar noticing its client's "

@@ -7,8 +7,9 @@ response, writing a stream). :meth:`Exchange.cancel` then closes the upstream co
 starts the engine abort in its own task, and the cancellation propagates.
 
 A write that fails because the client is gone takes the same path. The engine is aborted only if
-it has the whole request and has not finished its response; a client that leaves right after the
-last byte costs nothing.
+it has the whole request and has not finished its response, and does not keep it on purpose after
+the client leaves (a background response: ``EngineAdapter.kept_after_disconnect``); a client that
+leaves right after the last byte costs nothing.
 
 A client that reads slowly is not gone: each write waits while more than
 ``downstream.write_buffer_bytes`` are unsent, and the relay reads the engine only after its write,
@@ -46,7 +47,7 @@ import aiohttp
 from aiohttp import web
 from multidict import CIMultiDict
 
-from engine import EngineAdapter, Unabortable
+from engine import EngineAdapter, Kept, Unabortable
 from sidecar.abort import Aborter
 from sidecar.config import MAX_SECONDS
 from sidecar.errors import (
@@ -331,11 +332,15 @@ class Exchange:
                  f"aborting {aborting} engine id(s)" if aborting else "nothing to abort")
 
     def _engine_ids(self, engine: EngineAdapter, body: bytes | None) -> tuple[str, ...]:
-        """The ids to abort at ``engine``; none, counted and logged, if the engine may still run
-        the request under ids the sidecar cannot know (``Unabortable``). ``body``: the kept
+        """The ids to abort at ``engine``; none, counted and logged, if the engine keeps the
+        request after its client leaves (``Kept``: :meth:`_kept`) or may still run it under ids
+        the sidecar cannot know (``Unabortable``). ``body``: the kept
         copy. An engine that never aborts (kind ``openai``) is close-only by its configuration
         and is never counted."""
         method, path = self.request.method, self.request.path
+        if (kept := engine.kept_after_disconnect(method, path, body)) is not None:
+            self._kept(engine, kept)
+            return ()
         if self.body_unrewritten and engine.rewrites_body(method, path):
             reason: Unabortable | None = Unabortable.BODY_OVER_REPLAY_BUFFER
         else:
@@ -350,6 +355,16 @@ class Exchange:
                     "upstream is closed; counted in cancel_sidecar_unabortable_requests_total"
                     "{reason=\"%s\"}", self.id, engine.name, reason.why, reason)
         return ()
+
+    def _kept(self, engine: EngineAdapter, reason: Kept) -> None:
+        """``engine`` keeps the request after its client leaves on purpose (a background
+        response): no abort call, counted per engine, one INFO line, and the access line's
+        ``kept_by_engine``."""
+        self.metrics.kept.labels(engine.name, reason).inc()
+        if self.access.kept_by_engine(reason):
+            log.info("request %s: not aborted: the engine keeps it after the client leaves "
+                     "(%s: %s); counted in cancel_sidecar_kept_requests_total", self.id,
+                     reason, reason.why)
 
     def _phase(self, body: bytes | None) -> str:
         """Where the request was when it stopped: ``request_body`` (the engine never had all of

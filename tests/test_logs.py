@@ -45,7 +45,7 @@ SECRETS = (ABORT_KEY, CLIENT_AUTH, "client-sekret-token", QUERY_SECRET, "Bearer"
 ACCESS_FIELDS = {"ts", "level", "logger", "msg", "request_id", "client_request_id", "route",
                  "engine", "method", "path", "status", "duration_s", "bytes_sent",
                  "client_disconnected", "phase", "cancel_reason", "abort",
-                 "abort_latency_s"}
+                 "abort_latency_s", "kept_by_engine"}
 CHAT = "/v1/chat/completions"
 COMPLETIONS = "/v1/completions"
 
