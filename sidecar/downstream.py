@@ -105,9 +105,24 @@ def parse_error_reason(exc: HttpProcessingError) -> str:
 
 
 class DownstreamHandler(RequestHandler):
-    """aiohttp's per-connection protocol with JSON error answers (module docstring)."""
+    """aiohttp's per-connection protocol with JSON error answers (module docstring).
 
-    __slots__ = ()
+    ``lost_with`` is what the connection was lost with, once it is: ``None`` while open or
+    after a clean close (the client's FIN), else the transport's error (a reset:
+    ``ConnectionResetError``). aiohttp keeps it to itself (a request without a body gets no
+    exception), and an upgraded connection's relay (:mod:`sidecar.tunnel`) turns a client's
+    reset into a reset of the engine's side.
+    """
+
+    __slots__ = ("lost_with",)
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.lost_with: BaseException | None = None
+
+    def connection_lost(self, exc: BaseException | None) -> None:
+        self.lost_with = exc
+        super().connection_lost(exc)
 
     def handle_error(self, request: BaseRequest, status: int = 500,
                      exc: BaseException | None = None,
