@@ -63,6 +63,7 @@ import struct
 import time
 import uuid
 from collections import deque
+from typing import cast
 
 import httptools
 from aiohttp import HttpVersion11, web
@@ -202,12 +203,11 @@ class _EngineSide(asyncio.Protocol):
     # -- asyncio.Protocol ------------------------------------------------------------------------
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
-        assert isinstance(transport, asyncio.Transport)
-        self.transport = transport
-        sock = transport.get_extra_info("socket")
+        self.transport = cast(asyncio.Transport, transport)  # uvloop's is not a subclass
+        sock = self.transport.get_extra_info("socket")
         if sock is not None and sock.family in (socket.AF_INET, socket.AF_INET6):
             sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-        transport.set_write_buffer_limits(
+        self.transport.set_write_buffer_limits(
             high=self.tunnel.runtime.settings.downstream.write_buffer_bytes)
 
     def data_received(self, data: bytes) -> None:
@@ -420,6 +420,9 @@ class Tunnel:
         request = self.request
         response = web.StreamResponse(status=engine.status, reason=engine.reason or None,
                                       headers=downstream_response_headers(CIMultiDictProxy(engine.headers)))
+        for value in engine.headers.getall("Upgrade", ()):
+            # Hop-by-hop, but it says which protocols this hop does accept (426 must send it).
+            response.headers.add("Upgrade", value)
         response.headers[sidecar.proxy.REQUEST_ID] = self.id
         log.info("request %s: upgrade to %r refused by the engine with %d", self.id,
                  self.upgrade, engine.status)
