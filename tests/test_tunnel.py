@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import base64
 import json
+import logging
 import os
 import random
 import socket
@@ -342,6 +343,82 @@ async def test_upstream_unreachable_gives_502(start_sidecar: Callable[..., Any])
     tunnel.close()
 
 
+@pytest.mark.parametrize("how", [FIN, RESET])
+async def test_client_leaving_during_the_handshake_closes_the_engine(
+        raw_engine: RawEngine, start_sidecar: Callable[..., Any], stalls: Stalls,
+        how: str) -> None:
+    raw_engine.hold = True
+    servers = await start(start_sidecar, raw_engine.url)
+    reader, writer = await asyncio.open_connection("127.0.0.1", servers.proxy_port)
+    writer.write(f"GET /ws HTTP/1.1\r\nHost: s\r\nUpgrade: websocket\r\nConnection: Upgrade\r\n"
+                 f"Sec-WebSocket-Key: {KEY}\r\nSec-WebSocket-Version: 13\r\n\r\n".encode())
+    await stalls.wait(raw_engine.got_head.wait(), "the upgrade request at the engine")
+    client = RawTunnel(reader, writer)
+    if how == RESET:
+        at = client.reset()
+    else:
+        at = time.monotonic()
+        writer.close()
+    conn = raw_engine.connections[0]
+    await stalls.wait(conn.lost.wait(), "the engine's connection to be closed")
+    assert conn.lost_at is not None
+    took = stalls.check("client gone mid-handshake -> engine closed", at, conn.lost_at)
+    print(f"\nclient {how} during the handshake -> engine closed in {ms(took)}")
+    await wait_count(servers.admin_port, "cancel_sidecar_requests_total", 1, route="/",
+                     status_class="disconnected")
+    values = await metrics(servers.admin_port)
+    assert not any(n == "cancel_sidecar_abort_calls_total" and v for (n, _), v in values.items())
+    writer.close()
+
+
+async def test_engine_silent_after_the_request_gives_504(
+        raw_engine: RawEngine, start_sidecar: Callable[..., Any]) -> None:
+    raw_engine.hold = True
+    servers = await start(start_sidecar, raw_engine.url,
+                          upstream={"first_byte_timeout_s": 0.3})
+    tunnel = await raw_upgrade(servers.proxy_port)
+    assert tunnel.status == 504, f"expected 504 after first_byte_timeout_s, got {tunnel.status}"
+    conn = raw_engine.connections[0]
+    await asyncio.wait_for(conn.lost.wait(), WAIT_S)
+    tunnel.close()
+
+
+async def test_access_line_of_a_tunnel(raw_engine: RawEngine,
+                                       start_sidecar: Callable[..., Any]) -> None:
+    lines: list[dict[str, Any]] = []
+    got = asyncio.Event()
+
+    class Collect(logging.Handler):
+        def emit(self, record: logging.LogRecord) -> None:
+            lines.append(dict(getattr(record, "access", {})))
+            got.set()
+
+    logger = logging.getLogger("sidecar.access")
+    handler, level = Collect(), logger.level
+    logger.addHandler(handler)
+    logger.setLevel(logging.INFO)
+    try:
+        servers = await start(start_sidecar, raw_engine.url)
+        tunnel = await raw_upgrade(servers.proxy_port, extra=(("X-Request-Id", "mine-1"),))
+        tunnel.writer.write(b"12345")
+        await tunnel.read(5)
+        tunnel.writer.write(b"FIN")
+        await tunnel.read(3)
+        await tunnel.ended()
+        await asyncio.wait_for(got.wait(), WAIT_S)
+    finally:
+        logger.removeHandler(handler)
+        logger.setLevel(level)
+    line = lines[0]
+    expected = {"client_request_id": "mine-1", "route": "/", "engine": "local", "method": "GET",
+                "path": "/ws", "status": 101, "bytes_sent": 8, "client_disconnected": False,
+                "phase": "tunnel", "abort": None, "upgrade": "websocket",
+                "bytes_received": 8, "closed_by": "engine", "close_reason": "fin"}
+    assert {k: line.get(k) for k in expected} == expected, f"expected {expected}, got {line}"
+    assert isinstance(line["duration_s"], float) and len(line["request_id"]) == 32, line
+    tunnel.close()
+
+
 # -- limits ------------------------------------------------------------------------------------
 
 async def test_idle_tunnel_is_closed(raw_engine: RawEngine, start_sidecar: Callable[..., Any],
@@ -420,6 +497,36 @@ async def test_backpressure_engine_to_slow_client(
     while total < raw_engine.flood_bytes:
         total += len(await asyncio.wait_for(tunnel.reader.read(1 << 20), WAIT_S))
     assert total == raw_engine.flood_bytes, f"expected every byte delivered, got {total}"
+    tunnel.close()
+
+
+async def test_backpressure_client_to_slow_engine(
+        raw_engine: RawEngine, start_sidecar: Callable[..., Any]) -> None:
+    raw_engine.read, raw_engine.echo = False, False
+    servers = await start(start_sidecar, raw_engine.url)
+    tunnel = await raw_upgrade(servers.proxy_port)
+    chunk = b"c" * 65536
+    written = 0
+    while written < 64 * 1024 * 1024:  # until the client's own writes block
+        tunnel.writer.write(chunk)
+        written += len(chunk)
+        try:
+            await asyncio.wait_for(tunnel.writer.drain(), 0.5)
+        except TimeoutError:
+            break
+    assert written < 16 * 1024 * 1024, (
+        f"expected the client blocked after a few MiB with the engine not reading, it wrote "
+        f"{written} bytes")
+    print(f"\nclient blocked after {written / 2**20:.1f} MiB with the engine not reading")
+    conn = raw_engine.connections[0]
+    assert conn.transport is not None
+    conn.transport.resume_reading()
+    await asyncio.wait_for(tunnel.writer.drain(), WAIT_S)
+    deadline = time.monotonic() + WAIT_S
+    while len(conn.received) < written:  # the engine's buffer has no event
+        assert time.monotonic() < deadline, f"engine got {len(conn.received)} of {written}"
+        await asyncio.sleep(0.02)
+    assert bytes(conn.received) == b"c" * written, "expected every byte at the engine, in order"
     tunnel.close()
 
 

@@ -174,6 +174,9 @@ class _RawConnection(asyncio.Protocol):
                 return
             head, _, rest = self.head.partition(b"\r\n\r\n")
             self.head = head
+            self.engine.got_head.set()
+            if self.engine.hold:
+                return  # never answers
             fields = dict(line.split(": ", 1) for line in head.decode().split("\r\n")[1:])
             key = fields.get("Sec-WebSocket-Key", "")
             self.transport.write(
@@ -182,6 +185,8 @@ class _RawConnection(asyncio.Protocol):
                 + accept_key(key).encode() + b"\r\nX-Raw-Engine: yes\r\n\r\n"
                 + self.engine.greeting)
             self.switched = True
+            if not self.engine.read:
+                self.transport.pause_reading()
             data = rest
             if not data:
                 return
@@ -224,12 +229,16 @@ class _RawConnection(asyncio.Protocol):
 
 class RawEngine:
     """Answers any upgrade request with a hand-written ``101`` (a valid ``Sec-WebSocket-Accept``
-    when a key is sent) followed by ``greeting``, then echoes raw bytes (``echo``)."""
+    when a key is sent) followed by ``greeting``, then echoes raw bytes (``echo``); ``hold``:
+    never answers; ``read=False``: stops reading once switched."""
 
     def __init__(self, greeting: bytes = b"", echo: bool = True,
                  flood_bytes: int = 64 * 1024 * 1024) -> None:
         self.greeting = greeting
         self.echo = echo
+        self.hold = False  # True: read the head, never answer it
+        self.read = True  # False: stop reading once switched (resume: resume_reading())
+        self.got_head = asyncio.Event()
         self.flood_bytes = flood_bytes
         self.connections: list[_RawConnection] = []
         self.new_connection = asyncio.Event()
