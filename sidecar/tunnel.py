@@ -310,7 +310,11 @@ class Tunnel:
         self.last_io = 0.0
         self.client_blocked = False  # the client's buffer is full: the engine is not read
         self.wake = asyncio.Event()
-        self._timers: list[asyncio.TimerHandle] = []
+        self._deadline: asyncio.TimerHandle | None = None
+        self._idle: asyncio.TimerHandle | None = None
+        # Bytes counted as they pass (a session may last hours).
+        self._up_bytes = self.metrics.tunnel_bytes.labels(target.prefix, "client_to_engine")
+        self._down_bytes = self.metrics.tunnel_bytes.labels(target.prefix, "engine_to_client")
 
     # -- the handshake -------------------------------------------------------------------------
 
@@ -347,11 +351,13 @@ class Tunnel:
                      self._client_reason() if self._client_gone() else "shutdown")
             raise
         finally:
-            for timer in self._timers:
-                timer.cancel()
-            if self.engine is not None and self.engine.transport is not None and (
-                    not self.switched or self.closed_by is None):
-                self.engine.transport.abort()  # a refusal relayed, or a failed handshake
+            for timer in (self._deadline, self._idle):
+                if timer is not None:
+                    timer.cancel()
+            engine = self.engine
+            if engine is not None and engine.transport is not None and not self.switched:
+                # A refusal relayed whole: FIN; cut short, or a failed handshake: reset.
+                (_close if engine.message_done else _reset)(engine.transport)
             self.metrics.in_flight.labels(prefix).dec()
             self.metrics.requests.labels(prefix, status_class).inc()
             gone = self.closed_by == CLIENT or status_class == "disconnected"
@@ -486,11 +492,11 @@ class Tunnel:
             self.engine_lost(engine.lost_with)
         idle = settings.tunnel.idle_timeout_s
         if idle is not None:
-            self._timers.append(self.loop.call_later(idle, self._check_idle, idle))
+            self._idle = self.loop.call_later(idle, self._check_idle, idle)
         if deadline_s is not None:
-            self._timers.append(self.loop.call_at(
+            self._deadline = self.loop.call_at(
                 min(received + deadline_s, self.loop.time() + MAX_SECONDS),
-                self.end, SIDECAR, "deadline"))
+                self.end, SIDECAR, "deadline")
         writer = request.writer
         while self.closed_by is None:
             if self.client_blocked:
@@ -515,6 +521,7 @@ class Tunnel:
             self.end(SIDECAR, "max_bytes")
             return
         self.to_engine += len(data)
+        self._up_bytes.inc(len(data))
         self.last_io = self.loop.time()
         engine.transport.write(data)
 
@@ -527,6 +534,7 @@ class Tunnel:
             self.end(SIDECAR, "max_bytes")
             return
         self.to_client += len(data)
+        self._down_bytes.inc(len(data))
         self.last_io = self.loop.time()
         transport.write(data)
         if self.request.protocol.writing_paused and not self.client_blocked:
@@ -552,7 +560,7 @@ class Tunnel:
         if self.closed_by is not None:
             return
         if left > 0.001:  # uvloop's timers count milliseconds
-            self._timers.append(self.loop.call_later(left, self._check_idle, idle_s))
+            self._idle = self.loop.call_later(left, self._check_idle, idle_s)
         else:
             self.end(SIDECAR, "idle_timeout")
 
@@ -595,8 +603,6 @@ class Tunnel:
         metrics.open_tunnels.labels(prefix).dec()
         metrics.tunnels.labels(prefix, self.closed_by or SIDECAR,
                                self.close_reason or "shutdown").inc()
-        metrics.tunnel_bytes.labels(prefix, "client_to_engine").inc(self.to_engine)
-        metrics.tunnel_bytes.labels(prefix, "engine_to_client").inc(self.to_client)
         metrics.tunnel_duration.labels(prefix).observe(time.monotonic() - self.switched_at)
         self.access.tunnel_done(self.upgrade, self.to_engine, self.closed_by or SIDECAR,
                                 self.close_reason or "shutdown")
