@@ -307,6 +307,44 @@ async def test_close_or_reset_passes_to_the_other_side(
     assert not raw_engine.connections[0].transport or raw_engine.connections[0].lost.is_set()
 
 
+async def test_close_propagation_latency_over_many_sessions(
+        raw_engine: RawEngine, start_sidecar: Callable[..., Any], stalls: Stalls) -> None:
+    """25 sessions per (side, how), one after another: every end reaches the other side as the
+    same kind of end, each within ``GUARD_S``; the figures are printed (``-s``)."""
+    servers = await start(start_sidecar, raw_engine.url)
+    report = []
+    for side in ("client", "engine"):
+        for how in (FIN, RESET):
+            took = []
+            for _ in range(25):
+                raw_engine.new_connection.clear()
+                tunnel = await raw_upgrade(servers.proxy_port)
+                conn = raw_engine.connections[-1]
+                tunnel.writer.write(b"p")
+                await tunnel.read(1)
+                if side == "client":
+                    if how == RESET:
+                        at = tunnel.reset()
+                    else:
+                        at = time.monotonic()
+                        tunnel.writer.write_eof()
+                    await stalls.wait(conn.lost.wait(), "the engine's connection to end")
+                    assert conn.lost_at is not None
+                    got = RESET if isinstance(conn.lost_with, ConnectionResetError) else FIN
+                    end = conn.lost_at
+                else:
+                    at = time.monotonic()
+                    tunnel.writer.write(b"RST" if how == RESET else b"FIN")
+                    got, end = await tunnel.ended()
+                assert got == how, f"{side} {how}: expected a {how} on the other side, got {got}"
+                took.append(stalls.check(f"{side} {how} -> other side", at, end))
+                tunnel.close()
+            took.sort()
+            report.append(f"{side} {how}: median {ms(took[12])}, max {ms(took[-1])}")
+    print("\nclose propagation, 25 sessions each: " + "; ".join(report))
+    await wait_count(servers.admin_port, OPEN, 0, route="/")
+
+
 async def test_refused_upgrade_is_relayed_as_any_response(
         ws_engine: WsEngine, start_sidecar: Callable[..., Any]) -> None:
     servers = await start(start_sidecar, ws_engine.url)
