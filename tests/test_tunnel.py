@@ -141,6 +141,12 @@ async def wait_count(admin_port: int, name: str, value: float, **labels: str) ->
         await asyncio.sleep(0.02)
 
 
+async def settle_sidecar(servers: server.Servers) -> None:
+    """One /metrics round trip on a connection of its own, closed after it."""
+    async with aiohttp.ClientSession() as session:
+        await metrics(servers.admin_port or 0, session)
+
+
 def open_fds() -> int:
     return len(os.listdir("/proc/self/fd"))
 
@@ -312,6 +318,8 @@ async def test_close_propagation_latency_over_many_sessions(
     """25 sessions per (side, how), one after another: every end reaches the other side as the
     same kind of end, each within ``GUARD_S``; the figures are printed (``-s``)."""
     servers = await start(start_sidecar, raw_engine.url)
+    await settle_sidecar(servers)
+    fds, tasks = open_fds(), len(asyncio.all_tasks())
     report = []
     for side in ("client", "engine"):
         for how in (FIN, RESET):
@@ -343,6 +351,13 @@ async def test_close_propagation_latency_over_many_sessions(
             report.append(f"{side} {how}: median {ms(took[12])}, max {ms(took[-1])}")
     print("\nclose propagation, 25 sessions each: " + "; ".join(report))
     await wait_count(servers.admin_port, OPEN, 0, route="/")
+    await settle_sidecar(servers)
+    after, left = await settled_fds(fds), len(asyncio.all_tasks())
+    print(f"fds {fds} -> {after}, tasks {tasks} -> {left}")
+    assert after <= fds and left <= tasks, (
+        f"expected fds back to {fds} and tasks to {tasks}, got {after} and {left}")
+    assert servers.proxy.server is not None and not servers.proxy.server.connections, (
+        f"expected no downstream connection left, got {len(servers.proxy.server.connections)}")
 
 
 async def test_refused_upgrade_is_relayed_as_any_response(
