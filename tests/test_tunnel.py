@@ -26,6 +26,7 @@ import aiohttp
 import pytest
 import pytest_asyncio
 from multidict import CIMultiDict, CIMultiDictProxy
+from websockets.asyncio.client import connect
 
 from sidecar import server
 from sidecar.config import load_config
@@ -700,6 +701,25 @@ async def test_realtime_session_and_close(realtime: RealtimeEngine,
     calls = {k: v for (n, k), v in (await metrics(servers.admin_port)).items()
              if n == "cancel_sidecar_abort_calls_total" and v}
     assert not calls, f"expected no abort call for a tunnel, got {calls}"
+
+
+async def test_websockets_client_to_uvicorn_compressed(
+        realtime: RealtimeEngine, start_sidecar: Callable[..., Any], stalls: Stalls) -> None:
+    """A second pair of implementations: the ``websockets`` library's client (permessage-deflate
+    offered by default) through the sidecar to uvicorn's WebSocket server."""
+    servers = await start(start_sidecar, realtime.url)
+    async with connect(f"ws://127.0.0.1:{servers.proxy_port}/v1/realtime", proxy=None,
+                       open_timeout=WAIT_S, ping_interval=None) as ws:
+        extensions = ws.response.headers.get("Sec-WebSocket-Extensions", "")
+        assert extensions.startswith("permessage-deflate"), (
+            f"expected permessage-deflate negotiated end to end, got {extensions!r}")
+        created = json.loads(await asyncio.wait_for(ws.recv(), WAIT_S))
+        assert created["type"] == "session.created", created
+        await ws.send(json.dumps({"type": "session.update", "model": "nope"}))
+        error = json.loads(await asyncio.wait_for(ws.recv(), WAIT_S))
+        assert error == {"type": "error", "error": "model not found", "code": "model_not_found"}
+    await stalls.wait(realtime.record.cleaned.wait(), "the engine's session cleanup")
+    await wait_count(servers.admin_port, OPEN, 0, route="/")
 
 
 # -- config and headers --------------------------------------------------------------------------
