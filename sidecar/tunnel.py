@@ -106,7 +106,10 @@ def wants_tunnel(request: web.BaseRequest) -> bool:
 
 
 def _reset(transport: asyncio.Transport) -> None:
-    """Close ``transport`` with a TCP reset (unsent bytes dropped)."""
+    """Close ``transport`` with a TCP reset (unsent bytes dropped); nothing if it is already
+    closing (its socket may be gone)."""
+    if transport.is_closing():
+        return
     sock = transport.get_extra_info("socket")
     if sock is not None:
         try:
@@ -119,6 +122,8 @@ def _reset(transport: asyncio.Transport) -> None:
 def _close(transport: asyncio.Transport) -> None:
     """Close ``transport`` with a FIN once its unsent bytes are written; a reader that takes
     more than ``FLUSH_S`` seconds for them gets a reset instead (no fd waits on it forever)."""
+    if transport.is_closing():
+        return
     transport.close()
     if transport.get_write_buffer_size():
         asyncio.get_running_loop().call_later(FLUSH_S, transport.abort)
@@ -219,6 +224,9 @@ class _EngineSide(asyncio.Protocol):
             self._parse(data)
 
     def _parse(self, data: bytes) -> None:
+        """Feed the response head (and a refused upgrade's body) to llhttp, which refuses
+        control characters and bare LFs in a head. Refused (-> 502): a malformed head, one
+        over ``MAX_HEADER_BYTES``, an interim 1xx other than 101."""
         if not self.headers_done:
             self.head += data
         try:
@@ -242,6 +250,8 @@ class _EngineSide(asyncio.Protocol):
             if len(self.head) > MAX_HEADER_BYTES:
                 self._fail(UpstreamProtocolError(
                     f"response head over {MAX_HEADER_BYTES} bytes"))
+        elif self.head and self.head.find(b"\r\n\r\n") + 4 > MAX_HEADER_BYTES:
+            self._fail(UpstreamProtocolError(f"response head over {MAX_HEADER_BYTES} bytes"))
         elif self.status == 101:  # the upgrade exception comes with the head's last byte
             self._fail(UpstreamProtocolError("101 response head did not end as one"))
         elif self.status < 200:
@@ -252,6 +262,9 @@ class _EngineSide(asyncio.Protocol):
 
     def _switch(self, end: int) -> None:
         if self.ready.done():
+            return
+        if end > MAX_HEADER_BYTES:
+            self._fail(UpstreamProtocolError(f"response head over {MAX_HEADER_BYTES} bytes"))
             return
         head, tail = bytes(self.head[:end]), bytes(self.head[end:])
         self.head.clear()
@@ -424,8 +437,9 @@ class Tunnel:
         engine = self.engine
         assert engine is not None and engine.transport is not None
         request = self.request
+        headers = downstream_response_headers(CIMultiDictProxy(engine.headers))
         response = web.StreamResponse(status=engine.status, reason=engine.reason or None,
-                                      headers=downstream_response_headers(CIMultiDictProxy(engine.headers)))
+                                      headers=headers)
         for value in engine.headers.getall("Upgrade", ()):
             # Hop-by-hop, but it says which protocols this hop does accept (426 must send it).
             response.headers.add("Upgrade", value)

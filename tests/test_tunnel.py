@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import base64
+import contextlib
 import json
 import logging
 import os
@@ -471,6 +472,48 @@ async def test_access_line_of_a_tunnel(raw_engine: RawEngine,
     assert {k: line.get(k) for k in expected} == expected, f"expected {expected}, got {line}"
     assert isinstance(line["duration_s"], float) and len(line["request_id"]) == 32, line
     tunnel.close()
+
+
+@pytest.mark.parametrize("answer", [
+    pytest.param(b"HTTP/1.1 101 Switching Protocols\r\nUpgrade: websocket\r\nX: a\x01b\r\n\r\n",
+                 id="control_character"),
+    pytest.param(b"HTTP/1.1 101 Switching Protocols\nUpgrade: websocket\n\n", id="bare_lf"),
+    pytest.param(b"HTTP/1.1 101 Switching Protocols\r\nX-Big: " + b"a" * 70_000 + b"\r\n\r\n",
+                 id="head_over_64KiB"),
+    pytest.param(b"HTTP/1.1 101 Swi", id="closed_mid_head"),
+])
+async def test_malformed_engine_head_gives_502(start_sidecar: Callable[..., Any],
+                                               answer: bytes) -> None:
+    handled = asyncio.Event()
+
+    async def answer_once(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        try:
+            await reader.readuntil(b"\r\n\r\n")
+            writer.write(answer)
+            await writer.drain()
+            if not answer.endswith(b"Swi"):
+                await reader.read()  # until the sidecar closes it
+        except ConnectionError:
+            pass  # the sidecar reset it
+        finally:
+            writer.close()
+            with contextlib.suppress(ConnectionError):
+                await writer.wait_closed()
+            handled.set()
+
+    engine = await asyncio.start_server(answer_once, "127.0.0.1", 0)
+    try:
+        port = engine.sockets[0].getsockname()[1]
+        servers = await start(start_sidecar, f"http://127.0.0.1:{port}")
+        tunnel = await raw_upgrade(servers.proxy_port)
+        assert tunnel.status == 502, f"expected 502 for a malformed head, got {tunnel.status}"
+        body = json.loads(await tunnel.read(int(tunnel.headers["Content-Length"])))
+        assert "a" * 100 not in json.dumps(body), "expected no engine bytes echoed to the client"
+        tunnel.close()
+        await asyncio.wait_for(handled.wait(), WAIT_S)
+    finally:
+        engine.close()
+        await engine.wait_closed()
 
 
 # -- limits ------------------------------------------------------------------------------------
