@@ -33,6 +33,7 @@ from sidecar import server
 from sidecar.config import load_config
 from sidecar.headers import upgrade_request_headers
 from tests.conftest import sidecar_settings
+from tests.fake_engine import FakeEngine
 from tests.support import WAIT_S, Stalls, metrics, ms, sample
 from tests.ws_engines import RawEngine, RealtimeEngine, WsEngine, accept_key
 
@@ -514,6 +515,26 @@ async def test_malformed_engine_head_gives_502(start_sidecar: Callable[..., Any]
     finally:
         engine.close()
         await engine.wait_closed()
+
+
+@pytest.mark.parametrize("variant", ["body", "http10"])
+async def test_upgrade_with_a_body_or_over_http10_goes_the_plain_way(
+        engine: FakeEngine, start_sidecar: Callable[..., Any], variant: str) -> None:
+    servers = await start(start_sidecar, engine.url)
+    version, body = ("1.1", b"hello") if variant == "body" else ("1.0", b"")
+    reader, writer = await asyncio.open_connection("127.0.0.1", servers.proxy_port)
+    writer.write(f"POST /echo HTTP/{version}\r\nHost: s\r\nUpgrade: websocket\r\n"
+                 f"Connection: Upgrade\r\nContent-Length: {len(body)}\r\n\r\n".encode() + body)
+    tunnel = RawTunnel(reader, writer)
+    await tunnel.read_head()
+    assert tunnel.status == 200, f"expected the plain proxy's 200, got {tunnel.status}"
+    length = tunnel.headers.get("Content-Length")
+    raw = (await tunnel.read(int(length)) if length is not None
+           else await asyncio.wait_for(tunnel.reader.read(), WAIT_S))
+    seen = {k.lower(): v for k, v in json.loads(raw)["headers"]}
+    assert "upgrade" not in seen and "upgrade" not in seen.get("connection", "").lower(), (
+        f"expected the upgrade headers dropped on the plain path, engine saw {seen}")
+    tunnel.close()
 
 
 # -- limits ------------------------------------------------------------------------------------
