@@ -10,6 +10,10 @@ Data flow for one request (modules named after the nouns)::
                    ──► upstream closed + engine abort (abort.py: own task, bounded, counted;
                        one per abort engine of the route, concurrently)
 
+An upgrade request (``Connection: Upgrade``: a WebSocket such as vLLM's ``/v1/realtime``) leaves
+that flow after the route: ``tunnel.py`` relays the engine's ``101`` and then splices the two
+sockets byte for byte; either side's close or reset closes the other at once, never an abort.
+
 ``config.py`` turns YAML into frozen settings; ``runtime.py`` turns settings into one swappable
 generation (adapters, router, sessions; SIGHUP swaps it) and counts requests in flight;
 ``app.py`` builds the proxy and admin applications with their state under typed keys;

@@ -19,10 +19,11 @@ Shape (see ``config/sidecar.yaml`` for the commented reference)::
     routes:   [{prefix, engine, abort, max_duration_s}]  abort: the engines to abort (default
                                                  [engine]); max_duration_s: a request's deadline
     lifecycle: {grace_period_s}                  how long a stop waits for in-flight requests
+    tunnel:   {idle_timeout_s, max_bytes}        Connection: Upgrade sessions (sidecar.tunnel)
 
 A running sidecar re-reads the file on SIGHUP (see :mod:`sidecar.runtime`): engines, routes,
-upstream, downstream (but ``downstream.idle_timeout_s``) and lifecycle apply to new requests;
-listen, admin, log_level, log_format and ``downstream.idle_timeout_s`` need a restart.
+upstream, downstream (but ``downstream.idle_timeout_s``), tunnel and lifecycle apply to new
+requests; listen, admin, log_level, log_format and ``downstream.idle_timeout_s`` need a restart.
 """
 
 from __future__ import annotations
@@ -309,6 +310,27 @@ class LifecycleSettings(_Model):
     grace_period_s: Seconds = 30.0
 
 
+class TunnelSettings(_Model):
+    """Limits on an upgraded connection (``Connection: Upgrade``, a WebSocket: see
+    :mod:`sidecar.tunnel`), once the engine answered ``101``.
+
+    ``idle_timeout_s``: a tunnel with no byte in either direction for this many seconds is
+    closed (both sides, FIN); null for no limit. 300 s by default: WebSocket servers ping far
+    more often (uvicorn and the ``websockets`` library every 20 s), so only a tunnel whose ends
+    are both gone or stuck meets it. ``max_bytes``: the most bytes relayed in each direction
+    (counted separately, frames and all); the tunnel is closed when one direction would pass it;
+    0 for no limit (the default: a realtime audio session streams for as long as it lasts).
+    The rest comes from the other sections: ``upstream.connect_timeout_s`` and
+    ``first_byte_timeout_s`` (until the ``101``), ``downstream.write_buffer_bytes`` (how much
+    waits for a slow reader, each way, before the other side is no longer read), and the
+    route's ``max_duration_s`` (and the client's ``X-Sidecar-Deadline-S``): the session's
+    deadline.
+    """
+
+    idle_timeout_s: OptionalSeconds = 300.0
+    max_bytes: Annotated[int, Field(ge=0, le=2**62), NotBool] = 0
+
+
 class Settings(_Model):
     """The whole validated config file, before cross-references are checked."""
 
@@ -319,6 +341,7 @@ class Settings(_Model):
     engines: Annotated[dict[str, EngineSettings], Field(min_length=1)]
     routes: Annotated[list[RouteSettings], Field(min_length=1)]
     lifecycle: LifecycleSettings = LifecycleSettings()
+    tunnel: TunnelSettings = TunnelSettings()
     log_level: LogLevel = "INFO"
     log_format: LogFormat = "json"
 
@@ -391,7 +414,7 @@ def _mask_userinfo(text: str, loc: tuple[Hashable, ...]) -> str:
 # Every key some section of the schema knows: the value of any other key is never rendered.
 _KNOWN_KEYS = frozenset(name for model in (
     Listener, AdminSettings, AbortSettings, EngineSettings, DownstreamSettings, UpstreamSettings,
-    RouteSettings, LifecycleSettings, Settings) for name in model.model_fields)
+    RouteSettings, LifecycleSettings, TunnelSettings, Settings) for name in model.model_fields)
 
 
 def _masked(value: Any, loc: tuple[Hashable, ...] = ()) -> Any:

@@ -105,13 +105,22 @@ def parse_error_reason(exc: HttpProcessingError) -> str:
 
 
 class DownstreamHandler(RequestHandler):
-    """aiohttp's per-connection protocol with JSON error answers (module docstring) and a hook
-    for the request in progress when the connection is lost (:attr:`on_lost`)."""
+    """aiohttp's per-connection protocol with JSON error answers (module docstring), a hook
+    for the request in progress when the connection is lost (:attr:`on_lost`), and what it was
+    lost with.
 
-    __slots__ = ("on_lost",)
+    ``lost_with`` is what the connection was lost with, once it is: ``None`` while open or
+    after a clean close (the client's FIN), else the transport's error (a reset:
+    ``ConnectionResetError``). aiohttp keeps it to itself (a request without a body gets no
+    exception), and an upgraded connection's relay (:mod:`sidecar.tunnel`) turns a client's
+    reset into a reset of the engine's side.
+    """
+
+    __slots__ = ("lost_with", "on_lost")
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
+        self.lost_with: BaseException | None = None
         # Set by the proxy handler for the request it serves (sidecar.proxy.Exchange
         # .client_gone): the abort is queued before aiohttp cancels the handler.
         self.on_lost: Callable[[], None] | None = None
@@ -120,6 +129,7 @@ class DownstreamHandler(RequestHandler):
         """The client's connection is gone (reset, FIN or half-close: aiohttp's
         ``eof_received`` lets the transport close). :attr:`on_lost` runs first, then aiohttp's
         own handling (which cancels the handler: ``handler_cancellation``)."""
+        self.lost_with = exc
         on_lost, self.on_lost = self.on_lost, None
         if on_lost is not None:
             try:

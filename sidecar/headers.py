@@ -8,6 +8,11 @@ client sets the upstream's) and ``Expect`` (the sidecar answers ``100-continue``
 
 Upstream -> downstream: the same hop-by-hop filter; everything else byte-for-byte, repeated fields
 included.
+
+An upgrade request (``Connection: upgrade`` with an ``Upgrade`` field, :func:`is_upgrade`) keeps
+its ``Upgrade`` field and goes upstream with ``Connection: Upgrade`` (RFC 9110 section 7.8: a
+proxy that relays the upgrade must forward both); the other hop-by-hop fields are dropped as
+above. The engine's ``101`` is relayed byte for byte by :mod:`sidecar.tunnel`, never filtered.
 """
 
 from __future__ import annotations
@@ -65,6 +70,25 @@ def upstream_request_headers(
     if client_ip is not None:
         _append(out, "X-Forwarded-For", client_ip)
     _append(out, "X-Forwarded-Proto", proto)
+    return out
+
+
+def is_upgrade(headers: CIMultiDictProxy[str]) -> bool:
+    """True if a request asks to switch protocols: ``Connection`` names ``upgrade`` and an
+    ``Upgrade`` field is present (RFC 9110 section 7.8)."""
+    return "upgrade" in _connection_tokens(headers) and bool(headers.get("Upgrade"))
+
+
+def upgrade_request_headers(
+    headers: CIMultiDictProxy[str], client_ip: str | None, proto: str
+) -> CIMultiDict[str]:
+    """As :func:`upstream_request_headers`, for an upgrade request: its ``Upgrade`` field(s)
+    kept and ``Connection: Upgrade`` set (the other fields ``Connection`` names still
+    dropped). ``Host`` is left to the caller."""
+    out = upstream_request_headers(headers, client_ip, proto)
+    for value in headers.getall("Upgrade"):
+        out.add("Upgrade", value)
+    out["Connection"] = "Upgrade"
     return out
 
 

@@ -37,6 +37,17 @@ requests, run in their own tasks and outlive the handler). JSON fields, in order
                          its engine keeps it after the client leaves (background_response,
                          response_retrieval); its abort is then null
 
+An upgraded connection (a ``101`` relayed: :mod:`sidecar.tunnel`) has ``status`` 101,
+``phase`` "tunnel", ``duration_s`` its whole life, ``bytes_sent`` the bytes relayed engine ->
+client after the 101, ``client_disconnected`` true if the client ended it, ``abort`` null, and
+four more fields::
+
+    upgrade              the protocol switched to (the request's Upgrade value, e.g. "websocket")
+    bytes_received       bytes relayed client -> engine after the 101
+    closed_by            client, engine or sidecar
+    close_reason         fin, reset (the side that ended it), or the sidecar's reason:
+                         idle_timeout, max_bytes, deadline, shutdown
+
 Nothing secret is ever logged: no header values, no query strings, no abort key.
 """
 
@@ -127,6 +138,9 @@ class RequestLog:
     __slots__ = ("_abort", "_abort_latency", "_cancel_reason", "_fields", "_kept", "_pending",
                  "_started")
 
+    # The extra fields of an upgraded connection's line (module docstring), in order.
+    TUNNEL_FIELDS = ("upgrade", "bytes_received", "closed_by", "close_reason")
+
     def __init__(self, request_id: str, method: str, path: str, route: str | None,
                  engine: str | None, client_request_id: str | None) -> None:
         self._started = time.monotonic()
@@ -163,6 +177,13 @@ class RequestLog:
     def cancelled(self, reason: str) -> None:
         """The sidecar ended the request itself, for ``reason`` (e.g. the cancel API)."""
         self._cancel_reason = reason
+
+    def tunnel_done(self, upgrade: str, bytes_received: int, closed_by: str,
+                    close_reason: str) -> None:
+        """An upgraded connection ended (call before :meth:`handler_done`): ``upgrade`` the
+        protocol, ``bytes_received`` client -> engine bytes, who closed it and why."""
+        self._fields.update(zip(self.TUNNEL_FIELDS,
+                                (upgrade, bytes_received, closed_by, close_reason), strict=True))
 
     def handler_done(self, status: int | None, bytes_sent: int, client_disconnected: bool,
                      phase: str | None) -> None:

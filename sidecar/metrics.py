@@ -10,6 +10,8 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
 # Seconds; abort latency is expected in milliseconds, time to first byte up to minutes.
 _FAST_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0)
+# Seconds an upgraded connection (a WebSocket session) lasted: a refused handshake to hours.
+_TUNNEL_BUCKETS = (0.01, 0.1, 1.0, 10.0, 30.0, 60.0, 300.0, 900.0, 1800.0, 3600.0, 14400.0)
 _TTFB_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 300.0)
 
 
@@ -103,3 +105,23 @@ class Metrics:
             "cancel_sidecar_upstream_time_to_first_byte_seconds",
             "Time from sending a request upstream to receiving its response headers.",
             ["engine"], buckets=_TTFB_BUCKETS, registry=registry)
+        # Upgraded connections (Connection: Upgrade answered 101: a WebSocket), sidecar.tunnel.
+        self.tunnels = Counter(
+            "cancel_sidecar_tunnels_total",
+            "Upgraded connections (a 101 relayed: WebSocket) that ended, by route prefix, who "
+            "ended them (client, engine, sidecar) and how (fin, reset; the sidecar's: "
+            "idle_timeout, max_bytes, deadline, shutdown). Never an abort call: the engine "
+            "owns the session's ids.",
+            ["route", "closed_by", "reason"], registry=registry)
+        self.open_tunnels = Gauge(
+            "cancel_sidecar_open_tunnels", "Upgraded connections being relayed now.",
+            ["route"], registry=registry, multiprocess_mode="livesum")
+        self.tunnel_bytes = Counter(
+            "cancel_sidecar_tunnel_bytes_total",
+            "Bytes relayed through upgraded connections after the 101, by route prefix and "
+            "direction (client_to_engine, engine_to_client).",
+            ["route", "direction"], registry=registry)
+        self.tunnel_duration = Histogram(
+            "cancel_sidecar_tunnel_duration_seconds",
+            "How long upgraded connections lasted, from the 101 relayed to both sides closed.",
+            ["route"], buckets=_TUNNEL_BUCKETS, registry=registry)

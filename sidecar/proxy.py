@@ -48,6 +48,7 @@ from aiohttp import web
 from multidict import CIMultiDict
 
 from engine import EngineAdapter, Kept, Unabortable
+from sidecar import tunnel
 from sidecar.abort import Aborter
 from sidecar.config import MAX_SECONDS
 from sidecar.errors import (
@@ -590,6 +591,8 @@ async def handle(request: web.Request, runtime: Runtime) -> web.StreamResponse:
         deadline = deadline_s(asked[0] if asked else None, target.max_duration_s)
     except ValueError as exc:
         return _refuse(request, 400, str(exc), "invalid_request")
+    if tunnel.wants_tunnel(request):  # Connection: Upgrade (a WebSocket): relayed, never aborted
+        return await tunnel.relay(request, runtime, target, target_path, received, deadline)
     metrics = request.app[METRICS]
     exchange = Exchange(request, runtime, target, request.app[ABORTER], metrics, target_path)
     timer = (None if deadline is None

@@ -31,7 +31,7 @@ from sidecar.upstream import make_session
 log = logging.getLogger(__name__)
 
 # Sections a running process applies on reload, and those only a restart applies.
-RELOADABLE = ("engines", "routes", "upstream", "downstream", "lifecycle")
+RELOADABLE = ("engines", "routes", "upstream", "downstream", "lifecycle", "tunnel")
 NEEDS_RESTART = ("listen", "admin", "log_level", "log_format")
 # Keys of a reloadable section that only a restart applies: ``downstream.idle_timeout_s`` is
 # each listener's aiohttp ``keepalive_timeout``, fixed when the listener starts
