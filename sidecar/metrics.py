@@ -66,6 +66,13 @@ class Metrics:
             "only the upstream connection closed. By engine and reason (sglang_n_samples, "
             "vllm_beam_search, body_over_replay_buffer). Kind openai (close-only) never counts.",
             ["engine", "reason"], registry=registry)
+        self.header_targets = Counter(
+            "cancel_sidecar_header_abort_targets_total",
+            "Requests that ended early with a routes[].abort_from_header header (llm-d's "
+            "x-prefiller-host-port), by route prefix and verdict: allowed (that engine was "
+            "aborted too), or why it was refused and never called (several_values, userinfo, "
+            "scheme, path, malformed, not_allowed).",
+            ["route", "verdict"], registry=registry)
         self.abort_latency = Histogram(
             "cancel_sidecar_abort_latency_seconds",
             "Per aborted request: time from the sidecar noticing its client's disconnect to the "
