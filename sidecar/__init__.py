@@ -8,7 +8,8 @@ Data flow for one request (modules named after the nouns)::
                    ──► upstream stream (upstream.py: pooled; body and response relayed per chunk)
     client disconnect (aiohttp cancels the handler: proxy.py)
                    ──► upstream closed + engine abort (abort.py: own task, bounded, counted;
-                       one per abort engine of the route, concurrently)
+                       one per abort engine of the route, concurrently, and one at the engine
+                       a request header names if allowed: targets.py, llm-d's prefill pod)
 
 ``config.py`` turns YAML into frozen settings; ``runtime.py`` turns settings into one swappable
 generation (adapters, router, sessions; SIGHUP swaps it) and counts requests in flight;

@@ -1,7 +1,8 @@
 """Every Prometheus metric the sidecar exports, on one injected registry.
 
 Names follow Prometheus practice: ``cancel_sidecar_`` prefix, base units, ``_total`` on counters,
-low-cardinality labels (route prefix, engine name, outcome, phase; never a request id).
+low-cardinality labels (route prefix, engine name, outcome, phase, verdict; never a request id
+or a host).
 """
 
 from __future__ import annotations
