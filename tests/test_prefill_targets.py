@@ -248,6 +248,27 @@ async def test_after_the_end_nothing_is_called(
     assert counts == {}, f"expected no header target counted without an early end, got {counts}"
 
 
+async def test_a_deadline_during_prefill_aborts_the_prefill_pod_too(
+        vllm_pod: Pod, start_sidecar: Callable[..., Any], stalls: Stalls) -> None:
+    """Every early end that aborts takes the same path (``Exchange.abort_plan``): here the
+    client's own deadline (``X-Sidecar-Deadline-S``) passes while the prefill engine works."""
+    pod = vllm_pod
+    servers: Servers = await start_sidecar(pod.settings())
+    async with raw_client(servers.proxy_port, stalls) as client:
+        client.send("POST", COMPLETIONS + "?first_byte_delay=30&tokens=1000",
+                    request_body(PROMPTS, stream=True),
+                    [(PREFILL_HEADER, pod.prefill_host_port), ("X-Sidecar-Deadline-S", "0.5")])
+        status, _ = await client.head()
+        assert status == 504, f"expected the deadline's 504, got {status}"
+    work = pod.prefill.works[0]
+    await until(stalls, pod.prefill, lambda: work.stopped_at is not None,
+                "the prefill work to stop")
+    sid = pod.routing.requests[0].legs[0].request_ids[0]
+    check_calls(pod, pod.prefill, sid, "the prefill engine")
+    counts = verdicts(await metrics(servers.admin_port or 0))
+    assert counts == {"allowed": 1}, f"expected one allowed header target, got {counts}"
+
+
 # -- a refused header is never called ---------------------------------------------------------
 
 # name -> (value, given the prefill engine's host:port; allowlist; does llm-d send a prefill leg)
