@@ -52,6 +52,7 @@ from sidecar.config import Settings, load_config, parse_config
 from sidecar.errors import ConfigError
 from sidecar.server import Servers
 from sidecar.targets import MAX_TARGETS, HeaderTargets, parse_value
+from tests.cli_process import cli_process
 from tests.kind_engines import KindEngine, SGLangEngine, VLLMEngine
 from tests.routing_sidecar import PREFILL_HEADER, RoutingSidecar
 from tests.support import (
@@ -96,8 +97,11 @@ class Pod:
         return self.prefill.url.removeprefix("http://")
 
     def settings(self, allow: list[str] | None = None) -> Settings:
+        return parse_config(yaml.safe_dump(self.tree(allow)), "<test>", env={})
+
+    def tree(self, allow: list[str] | None = None) -> dict[str, Any]:
         abort = {"api_key": API_KEY, "timeout_s": 2.0}
-        tree = {
+        return {
             "listen": {"host": "127.0.0.1", "port": 0},
             "admin": {"host": "127.0.0.1", "port": 0},
             "engines": {
@@ -108,7 +112,6 @@ class Pod:
                         "abort_from_header": {"header": PREFILL_HEADER, "engine": "prefill",
                                               "allow": allow or ["127.0.0.0/8"]}}],
         }
-        return parse_config(yaml.safe_dump(tree), "<test>", env={})
 
     def union(self, engine: KindEngine) -> set[str]:
         return {i for call in engine.calls for i in call.ids}
@@ -323,6 +326,35 @@ async def test_refused_header_is_never_called_counted_and_served(
     assert "hunter2" not in logged and "admin:" not in logged, "a userinfo was logged"
     assert f"({reason}" in logged or (reason == "not_allowed" and "not in the route's" in logged), (
         f"expected a warning saying {reason}")
+
+
+async def test_cli_aborts_an_allowed_prefill_pod_and_never_logs_a_userinfo(
+        vllm_pod: Pod, tmp_path: Path, stalls: Stalls) -> None:
+    """The real ``python -m sidecar``: a request naming the prefill pod is aborted there when
+    its client leaves; one naming it with ``user:password@`` is not, and the process's whole
+    log never shows the password (nor the abort key)."""
+    pod = vllm_pod
+    tree = {**pod.tree(), "log_level": "DEBUG"}
+    async with cli_process(tmp_path, tree) as cli:
+        for value in (f"admin:hunter2@{pod.prefill_host_port}", pod.prefill_host_port):
+            count = len(pod.prefill.works)
+            async with raw_client(cli.proxy_port, stalls) as client:
+                client.send("POST", COMPLETIONS + "?first_byte_delay=30&tokens=1000",
+                            request_body(PROMPTS, stream=True), [(PREFILL_HEADER, value)])
+                await until(stalls, pod.prefill, lambda n=count: len(pod.prefill.works) > n,
+                            "the prefill leg at the prefill engine")
+                client.disconnect("rst")
+            await until(stalls, pod.decode, lambda n=count: len(pod.decode.calls) > n,
+                        "the decoder's abort call")
+        work = pod.prefill.works[1]
+        await until(stalls, pod.prefill, lambda: work.stopped_at is not None,
+                    "the allowed prefill work to stop")
+        await cli.wait_log("abort target (userinfo")
+    sid = pod.routing.requests[1].legs[0].request_ids[0]
+    assert pod.union(pod.prefill) == expected_ids("vllm", sid), [c.ids for c in pod.prefill.calls]
+    assert pod.prefill.works[0].running, "the refused (userinfo) prefill leg must not be aborted"
+    assert "hunter2" not in cli.stderr and API_KEY not in cli.stderr, (
+        "a userinfo password or the abort key appeared in the log")
 
 
 # -- /readyz, config, the adapter cache ---------------------------------------------------------
