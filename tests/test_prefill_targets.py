@@ -338,14 +338,19 @@ async def test_cli_aborts_an_allowed_prefill_pod_and_never_logs_a_userinfo(
     async with cli_process(tmp_path, tree) as cli:
         for value in (f"admin:hunter2@{pod.prefill_host_port}", pod.prefill_host_port):
             count = len(pod.prefill.works)
+
+            def started(n: int = count) -> bool:
+                return len(pod.prefill.works) > n
+
+            def decode_aborted(n: int = count) -> bool:
+                return len(pod.decode.calls) > n
+
             async with raw_client(cli.proxy_port, stalls) as client:
                 client.send("POST", COMPLETIONS + "?first_byte_delay=30&tokens=1000",
                             request_body(PROMPTS, stream=True), [(PREFILL_HEADER, value)])
-                await until(stalls, pod.prefill, lambda n=count: len(pod.prefill.works) > n,
-                            "the prefill leg at the prefill engine")
+                await until(stalls, pod.prefill, started, "the prefill leg at the prefill engine")
                 client.disconnect("rst")
-            await until(stalls, pod.decode, lambda n=count: len(pod.decode.calls) > n,
-                        "the decoder's abort call")
+            await until(stalls, pod.decode, decode_aborted, "the decoder's abort call")
         work = pod.prefill.works[1]
         await until(stalls, pod.prefill, lambda: work.stopped_at is not None,
                     "the allowed prefill work to stop")
