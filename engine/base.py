@@ -30,6 +30,7 @@ The proxy owns all network I/O; adapters never touch a socket, so each can be te
 from __future__ import annotations
 
 import abc
+import copy
 import enum
 import json
 from collections.abc import MutableMapping
@@ -172,6 +173,15 @@ class EngineAdapter(abc.ABC):
         self.health_path = settings.health_path or self.default_health_path
         configured = {self.abort_path.rstrip("/")} if self.abort_path else set()
         self._forbidden_paths = self.extra_forbidden_paths | configured
+
+    def at(self, origin: str) -> EngineAdapter:
+        """This adapter for another engine of the same kind and settings at ``origin``
+        (``scheme://host:port``): only :attr:`base_url` differs, the name too stays (metrics
+        label engines by name: low cardinality). For per-request abort targets
+        (:mod:`sidecar.targets`); a copy, so no ``__init__`` side effect (a log line) repeats."""
+        clone = copy.copy(self)
+        clone.base_url = origin.rstrip("/")
+        return clone
 
     # Engine paths that abort work by id, besides ``abort_path``: never proxied for clients.
     extra_forbidden_paths: ClassVar[frozenset[str]] = frozenset()

@@ -8,7 +8,8 @@ Data flow for one request (modules named after the nouns)::
                    ──► upstream stream (upstream.py: pooled; body and response relayed per chunk)
     client disconnect (aiohttp cancels the handler: proxy.py)
                    ──► upstream closed + engine abort (abort.py: own task, bounded, counted;
-                       one per abort engine of the route, concurrently)
+                       one per abort engine of the route, concurrently, and one at the engine
+                       a request header names if allowed: targets.py, llm-d's prefill pod)
 
 An upgrade request (``Connection: Upgrade``: a WebSocket such as vLLM's ``/v1/realtime``) leaves
 that flow after the route: ``tunnel.py`` relays the engine's ``101`` and then splices the two

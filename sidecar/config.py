@@ -16,8 +16,11 @@ Shape (see ``config/sidecar.yaml`` for the commented reference)::
     downstream: {idle_timeout_s, body_timeout_s, max_body_bytes, write_buffer_bytes}
     upstream: {connect_timeout_s, first_byte_timeout_s, read_timeout_s, keepalive_timeout_s, ...}
     engines:  {NAME: {kind, url, abort: {path, api_key, timeout_s, retries}}}
-    routes:   [{prefix, engine, abort, max_duration_s}]  abort: the engines to abort (default
-                                                 [engine]); max_duration_s: a request's deadline
+    routes:   [{prefix, engine, abort, abort_from_header, max_duration_s}]  abort: the engines
+                                                 to abort (default [engine]); abort_from_header:
+                                                 {header, engine, allow, ports}, one more engine
+                                                 per request, named by a request header (llm-d's
+                                                 prefill pod); max_duration_s: a request's deadline
     lifecycle: {grace_period_s}                  how long a stop waits for in-flight requests
     tunnel:   {idle_timeout_s, max_bytes}        Connection: Upgrade sessions (sidecar.tunnel)
 
@@ -273,6 +276,80 @@ class UpstreamSettings(_Model):
     replay_buffer_bytes: Annotated[int, Field(ge=0, le=2**32), NotBool] = 8 * 1024 * 1024
 
 
+# An HTTP field name (RFC 9110 section 5.1: a token).
+_FIELD_NAME = re.compile(r"[!#$%&'*+\-.^_`|~0-9A-Za-z]+")
+# A DNS name as Kubernetes names pods and services (RFC 1123 labels), optionally ``*.``-prefixed.
+_DNS_LABEL = re.compile(r"[a-z0-9]([a-z0-9-]{0,61}[a-z0-9])?")
+
+
+def _field_name(value: str) -> str:
+    if not _FIELD_NAME.fullmatch(value):
+        raise ValueError("must be an HTTP header name (letters, digits and !#$%&'*+-.^_`|~), "
+                         "e.g. x-prefiller-host-port")
+    return value.lower()
+
+
+def dns_name(value: str) -> bool:
+    """True if ``value`` (lower case, no trailing dot) is a DNS name of RFC 1123 labels."""
+    return 0 < len(value) <= 253 and all(_DNS_LABEL.fullmatch(p) for p in value.split("."))
+
+
+def _is_ip(text: str) -> bool:
+    try:
+        ipaddress.ip_address(text)
+    except ValueError:
+        return False
+    return True
+
+
+def _allow_entry(value: str) -> str:
+    """An ``abort_from_header.allow`` entry: an IP address, a network in CIDR notation (host
+    bits clear), a DNS name, or ``*.`` and a DNS name (any name below it). Stored lower case."""
+    entry = value.strip().lower().rstrip(".")
+    try:
+        ipaddress.ip_network(entry.strip("[]"))
+        return entry.strip("[]")
+    except ValueError as exc:
+        if "/" in entry and _is_ip(entry.partition("/")[0]):
+            raise ValueError(f"not a network: {exc} (e.g. 10.0.0.0/8; host bits must be zero)"
+                             ) from exc
+    if dns_name(entry.removeprefix("*.")) and "*" not in entry.removeprefix("*."):
+        return entry
+    raise ValueError("must be an IP address, a network (10.0.0.0/8, fd00::/8), a host name "
+                     "(prefill-0.prefill.llm-d.svc.cluster.local) or *. and a domain "
+                     "(*.prefill.llm-d.svc.cluster.local); no port, scheme or path (ports go "
+                     "in abort_from_header.ports)")
+
+
+AllowEntry = Annotated[str, AfterValidator(_allow_entry)]
+
+
+class AbortFromHeaderSettings(_Model):
+    """One more engine to abort per request, named by a request header: llm-d's prefill pod.
+
+    llm-d's scheduler picks a prefill pod per request and names it (``host:port``) in the
+    request header ``x-prefiller-host-port`` (``pkg/common/routing/common.go``,
+    ``PrefillEndpointHeader``) that the decode pod's routing sidecar reads
+    (``pkg/sidecar/proxy/chat_completions.go``). A request of this route that ends early is then
+    also aborted at ``<scheme of engine's url>://<host:port from header>``, with the kind, abort
+    path, key, timeout and retries of ``engine`` (a configured engine used as a template; its own
+    url is not called and, if no route proxies to or aborts at it, not probed by ``/readyz``),
+    and the ids that kind derives (the prefill leg runs under the sidecar's id there: see
+    :mod:`sidecar.targets`). The header goes upstream unchanged.
+
+    ``header``: the request header (case-insensitive). ``allow``: the hosts the value may name
+    (IP addresses, networks, host names, ``*.domain``); anything else is never called, and
+    counted. ``ports``: the ports it may name; omitted, any. The template's ``abort.api_key`` is
+    sent to every allowed host, so allow only the prefill pods.
+    """
+
+    header: Annotated[str, AfterValidator(_field_name)]
+    engine: str
+    allow: Annotated[list[AllowEntry], Field(min_length=1)]
+    ports: Annotated[list[Annotated[int, Field(ge=1, le=65535), NotBool]] | None,
+                     Field(min_length=1)] = None
+
+
 class RouteSettings(_Model):
     """Requests whose path is ``prefix`` or lies below it go to ``engine``.
 
@@ -281,6 +358,9 @@ class RouteSettings(_Model):
     complete list (fan-out: prefill and decode engines behind a router of kind ``openai``, or
     every data-parallel replica); every name must be a defined engine of a kind that aborts,
     each named once (checked in :func:`_cross_reference`).
+
+    ``abort_from_header``: one more engine per request, named by a request header (llm-d's
+    prefill pod): :class:`AbortFromHeaderSettings`.
 
     ``max_duration_s``: a request's deadline, seconds from the sidecar receiving its head; on
     expiry the engine is aborted and the client gets 504 (before the head) or a final SSE error
@@ -291,6 +371,7 @@ class RouteSettings(_Model):
     prefix: RoutePrefix
     engine: str
     abort: Annotated[list[str] | None, Field(min_length=1)] = None
+    abort_from_header: AbortFromHeaderSettings | None = None
     max_duration_s: OptionalSeconds = None
 
     def abort_engines(self) -> tuple[str, ...]:
@@ -414,7 +495,8 @@ def _mask_userinfo(text: str, loc: tuple[Hashable, ...]) -> str:
 # Every key some section of the schema knows: the value of any other key is never rendered.
 _KNOWN_KEYS = frozenset(name for model in (
     Listener, AdminSettings, AbortSettings, EngineSettings, DownstreamSettings, UpstreamSettings,
-    RouteSettings, LifecycleSettings, TunnelSettings, Settings) for name in model.model_fields)
+    AbortFromHeaderSettings, RouteSettings, LifecycleSettings, TunnelSettings, Settings)
+    for name in model.model_fields)
 
 
 def _masked(value: Any, loc: tuple[Hashable, ...] = ()) -> Any:
@@ -515,6 +597,23 @@ def _route_aborts(i: int, names: Any, engines: Any) -> list[ConfigProblem]:
     return problems
 
 
+def _header_template(i: int, section: Any, engines: Any) -> list[ConfigProblem]:
+    """``routes.N.abort_from_header.engine``: a defined engine of a kind that aborts."""
+    name = section.get("engine") if isinstance(section, dict) else None
+    if not isinstance(name, str) or not isinstance(engines, dict):
+        return []
+    loc = f"routes.{i}.abort_from_header.engine"
+    engine = engines.get(name)
+    if engine is None:
+        defined = ", ".join(sorted(map(str, engines))) or "none"
+        return [ConfigProblem(loc, f"names no defined engine (defined: {defined})", repr(name))]
+    if isinstance(engine, dict) and engine.get("kind") in {k.value for k in KINDS_WITHOUT_ABORT}:
+        return [ConfigProblem(
+            loc, f"engine {name} is of kind {engine['kind']}, which has no abort endpoint; name "
+            "an engine of the prefill pods' kind (vllm or sglang) as the template", repr(name))]
+    return []
+
+
 def _cross_reference(raw: dict[str, Any]) -> list[ConfigProblem]:
     """Checks across sections, on the raw tree so they run even when the schema check failed."""
     engines = raw.get("engines")
@@ -532,6 +631,7 @@ def _cross_reference(raw: dict[str, Any]) -> list[ConfigProblem]:
                 f"routes.{i}.engine", f"names no defined engine (defined: {defined})",
                 repr(engine)))
         problems.extend(_route_aborts(i, route.get("abort"), engines))
+        problems.extend(_header_template(i, route.get("abort_from_header"), engines))
         if isinstance(prefix, str):
             if prefix in seen:
                 problems.append(ConfigProblem(

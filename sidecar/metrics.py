@@ -1,7 +1,8 @@
 """Every Prometheus metric the sidecar exports, on one injected registry.
 
 Names follow Prometheus practice: ``cancel_sidecar_`` prefix, base units, ``_total`` on counters,
-low-cardinality labels (route prefix, engine name, outcome, phase; never a request id).
+low-cardinality labels (route prefix, engine name, outcome, phase, verdict; never a request id
+or a host).
 """
 
 from __future__ import annotations
@@ -84,6 +85,13 @@ class Metrics:
             "closed. By engine and reason (background_response: POST /v1/responses with "
             "background true; response_retrieval: GET /v1/responses/{id}). Not a loss.",
             ["engine", "reason"], registry=registry)
+        self.header_targets = Counter(
+            "cancel_sidecar_header_abort_targets_total",
+            "Requests that ended early with a routes[].abort_from_header header (llm-d's "
+            "x-prefiller-host-port), by route prefix and verdict: allowed (that engine was "
+            "aborted too), or why it was refused and never called (several_values, userinfo, "
+            "scheme, path, malformed, not_allowed).",
+            ["route", "verdict"], registry=registry)
         self.abort_latency = Histogram(
             "cancel_sidecar_abort_latency_seconds",
             "Per request whose abort was accepted: time from the sidecar noticing its client's "

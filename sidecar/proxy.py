@@ -310,14 +310,11 @@ class Exchange:
         phase = self.phase = self._phase(body)
         if phase != "request_body":
             body_sent_at = self.body.sent_at if self.body and self.body.sent_at else self.sent_at
-            # One call per abort engine (routes[].abort), queued in this same loop turn: the
-            # engines' calls run concurrently, each with the ids its own kind derives.
-            for engine in self.target.aborts:
-                ids = self._engine_ids(engine, body)
-                if ids:
-                    self.aborter.abort(engine, ids, self.id, noticed_at, self.access,
-                                       body_sent_at)
-                    self.aborting += len(ids)
+            # One call per abort engine, queued in this same loop turn: the engines' calls run
+            # concurrently, each with the ids its own kind derives.
+            for engine, ids in self.abort_plan(body):
+                self.aborter.abort(engine, ids, self.id, noticed_at, self.access, body_sent_at)
+                self.aborting += len(ids)
         if self.upstream is not None:
             self.upstream.close()
         self.upstream_finished = True
@@ -331,6 +328,15 @@ class Exchange:
         aborting = self.aborting
         log.info("request %s: %s during %s; upstream closed, %s", self.id, reason, self.phase,
                  f"aborting {aborting} engine id(s)" if aborting else "nothing to abort")
+
+    def abort_plan(self, body: bytes | None) -> list[tuple[EngineAdapter, tuple[str, ...]]]:
+        """Every (engine adapter, its non-empty engine request ids) to abort for this request
+        now that it ended early: the route's abort engines (``routes[].abort``) and the one its
+        ``abort_from_header`` header names, if allowed (:meth:`RouteTarget.abort_engines`).
+        ``body``: the kept copy. Counts and logs what cannot be aborted; calls nothing."""
+        engines = self.target.abort_engines(self.request.headers, self.id, self.metrics)
+        plan = [(engine, self._engine_ids(engine, body)) for engine in engines]
+        return [(engine, ids) for engine, ids in plan if ids]
 
     def _engine_ids(self, engine: EngineAdapter, body: bytes | None) -> tuple[str, ...]:
         """The ids to abort at ``engine``; none, counted and logged, if the engine keeps the

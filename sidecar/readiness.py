@@ -110,7 +110,8 @@ class Readiness:
         """Check every engine concurrently; engine name -> ``"ok"`` or what to fix. Logs each
         engine whose verdict changed since the last check (the first check logs them all)."""
         runtime = self._runtimes.current
-        names = list(runtime.adapters)
+        # An abort_from_header template's own url is never called: nothing to probe there.
+        names = [n for n in runtime.adapters if n not in runtime.router.templates_only]
         # A session of its own, never pooled: the proxy's pool stays the clients' own, and a
         # reload that closes the generation's sessions cannot cut a check short.
         async with aiohttp.ClientSession(

@@ -178,7 +178,9 @@ def describe_changes(old: Settings, new: Settings) -> tuple[list[str], list[str]
 
 def _routes(routes: list[Any]) -> str:
     return "[" + ", ".join(f"{r.prefix} -> {r.engine}" + (
-        f" (abort {', '.join(r.abort)})" if r.abort is not None else "") for r in routes) + "]"
+        f" (abort {', '.join(r.abort)})" if r.abort is not None else "") + (
+        f" (abort from {r.abort_from_header.header} as {r.abort_from_header.engine})"
+        if r.abort_from_header is not None else "") for r in routes) + "]"
 
 
 def _field_changes(loc: str, before: dict[str, Any], after: dict[str, Any]) -> list[str]:

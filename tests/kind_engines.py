@@ -32,6 +32,11 @@ request when its connection closes: that is its only way to stop.
 Requests: POST on a generating path with a JSON object body (``"stream": true`` for SSE). Query
 parameters (the sidecar forwards them untouched): ``tokens`` (default 20) events ``interval``
 seconds apart (default 0.01), after ``first_byte_delay`` seconds queued (no response head yet).
+A positive integer ``max_tokens`` in the body caps ``tokens``, as every engine caps its output
+(llm-d's prefill legs ask for ``max_tokens: 1``). ``prefill_only=True`` makes the engine a
+disaggregated prefill server: every request ends after one token, whatever it asks (SGLang's
+``--disaggregation-mode prefill`` ends a request once its prefill is done and its KV handed to
+the decode server; llm-d's SGLang connector sends the prefill leg the client's body unchanged).
 ``GET /v1/models`` (``hold`` seconds before answering) and ``GET /health`` answer on every kind.
 """
 
@@ -105,8 +110,9 @@ class KindEngine:
     generating: ClassVar[tuple[str, ...]]
     aborts: ClassVar[bool] = True  # the engine keeps a closed request running until aborted
 
-    def __init__(self, api_key: str | None = None) -> None:
+    def __init__(self, api_key: str | None = None, *, prefill_only: bool = False) -> None:
         self.api_key = api_key  # the abort endpoint answers 401 without this bearer key
+        self.prefill_only = prefill_only  # every request ends after one token (a P/D prefill)
         self.works: list[Work] = []
         self.calls: list[AbortCall] = []
         self.probes: list[AbortCall] = []  # the sidecar's readiness probes, kept apart
@@ -239,6 +245,11 @@ class KindEngine:
     async def _respond(self, request: web.Request, body: dict[str, Any],
                        work: Work) -> web.StreamResponse:
         tokens = int(request.query.get("tokens", 20))
+        cap = body.get("max_tokens")
+        if type(cap) is int and cap > 0:
+            tokens = min(tokens, cap)
+        if self.prefill_only:
+            tokens = min(tokens, 1)
         interval = float(request.query.get("interval", 0.01))
         await _wait(work.stop, float(request.query.get("first_byte_delay", 0)))
         ident = work.tag or work.engine_ids[0]
@@ -287,9 +298,10 @@ class VLLMEngine(KindEngine):
     generating = ("/v1/chat/completions", "/v1/completions", "/inference/v1/generate")
     abort_path = "/inference/v1/abort_requests"
 
-    def __init__(self, api_key: str | None = None, *, scale_out: bool = True) -> None:
+    def __init__(self, api_key: str | None = None, *, scale_out: bool = True,
+                 prefill_only: bool = False) -> None:
         self.scale_out = scale_out  # False: started without --enable-scale-out
-        super().__init__(api_key)
+        super().__init__(api_key, prefill_only=prefill_only)
 
     def derive(self, path: str, headers: Mapping[str, str], body: dict[str, Any]
                ) -> tuple[str | None, tuple[str, ...]]:
