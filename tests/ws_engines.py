@@ -163,11 +163,14 @@ class _RawConnection(asyncio.Protocol):
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         self.transport = cast(asyncio.Transport, transport)  # uvloop's is not a subclass
-        self.engine.connections.append(self)
-        self.engine.new_connection.set()
+        self.engine.accepted.append(self)
 
     def data_received(self, data: bytes) -> None:
         assert self.transport is not None
+        if self not in self.engine.connections:
+            # Listed once it sends something: the sidecar's warm abort connection never does.
+            self.engine.connections.append(self)
+            self.engine.new_connection.set()
         if not self.switched:
             self.head += data
             if b"\r\n\r\n" not in self.head:
@@ -240,7 +243,8 @@ class RawEngine:
         self.read = True  # False: stop reading once switched (resume: resume_reading())
         self.got_head = asyncio.Event()
         self.flood_bytes = flood_bytes
-        self.connections: list[_RawConnection] = []
+        self.connections: list[_RawConnection] = []  # those that sent something, in order
+        self.accepted: list[_RawConnection] = []  # every connection
         self.new_connection = asyncio.Event()
         self.server: asyncio.Server | None = None
         self.port = 0
@@ -257,7 +261,7 @@ class RawEngine:
     async def stop(self) -> None:
         if self.server is not None:
             self.server.close()
-            for conn in self.connections:
+            for conn in self.accepted:
                 if conn.transport is not None:
                     conn.transport.abort()
             await self.server.wait_closed()
