@@ -207,6 +207,18 @@ class FakeEngine:
         await site.start()
         return site, int(sock.getsockname()[1])
 
+    def drop_idle_connections(self) -> int:
+        """Close (RST) every connection not serving a request now, e.g. the sidecar's warm abort
+        connection: with the listener stopped too, nothing reaches the engine any more but
+        the requests in progress. Returns how many were closed."""
+        assert self.runner is not None and self.runner.server is not None
+        idle = [c for c in self.runner.server.connections
+                if c._current_request is None and c.transport is not None]
+        for handler in idle:
+            assert handler.transport is not None
+            handler.transport.abort()
+        return len(idle)
+
     async def generate(self, request: web.Request) -> web.StreamResponse:
         body = await request.json()
         gen = Generation(request.headers.get("X-Request-Id"), request.path, body,

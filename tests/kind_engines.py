@@ -256,6 +256,10 @@ class KindEngine:
         if not body.get("stream"):
             await _wait(work.stop, tokens * interval)
             reason = "abort" if work.stop.is_set() else "stop"
+            if work.stop.is_set():
+                # Aborted before its answer (the sidecar's abort can arrive before its upstream
+                # close): record the connection going away if it does before the answer would.
+                await self._until_closed(request, work)
             response = web.json_response({"id": ident, "choices": [
                 {"index": 0, "text": "x" * tokens, "finish_reason": reason}]})
             self._end(work)
@@ -277,6 +281,19 @@ class KindEngine:
         self._end(work)
         await response.write_eof()
         return response
+
+    async def _until_closed(self, request: web.Request, work: Work, within_s: float = 1.0
+                            ) -> None:
+        """Wait up to ``within_s`` for the request's connection to close; if it does, that is
+        :meth:`_closed` (the connection went away before the response)."""
+        deadline = time.monotonic() + within_s
+        while time.monotonic() < deadline:
+            transport = request.transport
+            if transport is None or transport.is_closing():
+                work.closed_at = time.monotonic()
+                self.watch.changed()
+                return
+            await asyncio.sleep(0.001)
 
     def _record_call(self, request: web.Request, body: Any, ids: list[str], status: int
                      ) -> AbortCall:

@@ -343,7 +343,8 @@ async def test_cli_notices_mid_stream_disconnect(engine: FakeEngine, tmp_path: P
     assert engine.record.generations[0].request_id == rid
     assert counts == {("/", "streaming"): 1}, counts
     log = stderr.read_text()
-    assert rid in log and "aborted" in log, f"expected the abort logged with {rid}: {log}"
+    assert rid in log and "accepted an abort call" in log, (
+        f"expected the abort logged with {rid}: {log}")
     assert CLI_KEY not in log, "the api key appeared in the CLI's log"
 
 

@@ -90,10 +90,16 @@ def engine_port(engine: FakeEngine) -> int:
     return int(engine.url.rsplit(":", 1)[1].rstrip("/"))
 
 
-def upstream_connections(workers: list[psutil.Process], port: int) -> dict[int, int]:
-    """Established connections to the engine ``port``, per worker pid."""
+def upstream_connections(workers: list[psutil.Process], engine: FakeEngine) -> dict[int, int]:
+    """Established connections to the engine carrying a request now, per worker pid (not the
+    workers' warm abort connections: the engine tells which of its connections serve one)."""
+    assert engine.runner is not None and engine.runner.server is not None
+    busy = {c.transport.get_extra_info("peername")[1] for c in engine.runner.server.connections
+            if c._current_request is not None and c.transport is not None}
+    port = engine_port(engine)
     return {w.pid: sum(1 for c in w.net_connections("tcp")
-                       if c.raddr and c.raddr.port == port and c.status == psutil.CONN_ESTABLISHED)
+                       if c.raddr and c.raddr.port == port and c.laddr.port in busy
+                       and c.status == psutil.CONN_ESTABLISHED)
             for w in workers}
 
 
@@ -120,7 +126,7 @@ async def test_cancel_through_the_supervisor_reaches_streams_on_every_worker(
         held: dict[int, int] = {}
         while len(streams) < MAX_STREAMS:  # the kernel spreads new connections (SO_REUSEPORT)
             streams.append(await open_stream(stack, cli.proxy_port))
-            held = upstream_connections(workers, engine_port(engine))
+            held = upstream_connections(workers, engine)
             if len(streams) >= MIN_STREAMS and min(held.values()) >= 2:
                 break
         print(f"[workers-cancel] {len(streams)} streams, per worker pid: {held}")
@@ -239,7 +245,7 @@ async def test_a_stopped_worker_neither_hides_nor_delays_a_request_found_on_anot
                 asyncio.timeout(60)):
         workers = psutil.Process(cli.proc.pid).children()
         reader, _, request_id = await open_stream(stack, cli.proxy_port)
-        held = upstream_connections(workers, engine_port(engine))
+        held = upstream_connections(workers, engine)
         holder = next(pid for pid, n in held.items() if n)
         stopped = next(w for w in workers if w.pid != holder)
         stopped.suspend()
@@ -274,7 +280,7 @@ async def test_cancel_while_stopping_skips_the_worker_that_already_exited(
                 aiohttp.ClientSession() as admin, asyncio.timeout(60)):
         workers = psutil.Process(cli.proc.pid).children()
         reader, _, request_id = await open_stream(stack, cli.proxy_port)
-        held = upstream_connections(workers, engine_port(engine))
+        held = upstream_connections(workers, engine)
         idle = next(w for w in workers if not held[w.pid])
         cli.signal(signal.SIGTERM)
         await asyncio.to_thread(idle.wait, WAIT_S)
@@ -300,11 +306,11 @@ async def test_a_killed_worker_makes_an_id_found_nowhere_a_502(
     async with (cli_process(tmp_path, tree, "--workers", "2") as cli, AsyncExitStack() as stack,
                 aiohttp.ClientSession() as admin, asyncio.timeout(60)):
         workers = psutil.Process(cli.proc.pid).children()
-        port, streams = engine_port(engine), []
-        while not all(upstream_connections(workers, port).values()):
+        streams: list[Any] = []
+        while not all(upstream_connections(workers, engine).values()):
             assert len(streams) < 16, "the kernel put every connection on one worker"
             streams.append(await open_stream(stack, cli.proxy_port))
-        held = upstream_connections(workers, port)
+        held = upstream_connections(workers, engine)
         victim = workers[0]
         victim.kill()
         await asyncio.to_thread(victim.wait, WAIT_S)

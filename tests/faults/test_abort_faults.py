@@ -174,6 +174,7 @@ async def test_abort_failure_never_delays_close_or_other_traffic(
         await c.read_until(b"data:")
         if site is not None:
             await site.stop()  # new connections refused from now on ...
+            engine.drop_idle_connections()  # ... and the warm abort connection gone
             await c.read_until(b"data:")  # ... while the established stream still flows
             await c.read_until(b"data:")
         at = c.disconnect("rst")

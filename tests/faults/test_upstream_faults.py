@@ -537,7 +537,8 @@ async def fault(kind: str) -> AsyncIterator[Fault]:
             assert server is not None
             yield Fault(dying.url, f"{CHAT}?tokens=10&die_after=3&die={kind[6:]}", STREAM,
                         None, False, "MidStream", lambda: [a.ids for a in dying.record.aborts],
-                        lambda: len(server.connections))
+                        # Connections that carried a request: not the sidecar's warm abort one.
+                        lambda: sum(c._request_count > 0 for c in server.connections))
         finally:
             await dying.stop()
     elif kind == "read-timeout":
