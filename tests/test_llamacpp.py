@@ -9,7 +9,9 @@ server's body byte for byte and that a disconnect closed the upstream at once.
 What the server does after the close is measured from its side: its process's CPU seconds after
 the disconnect (a server still generating burns about one core) and the time it then takes to
 answer the next request (llama-cpp-python serves one request at a time, so a server still
-busy with the abandoned one makes the next one wait).
+busy with the abandoned one makes the next one wait). Measured with llama-cpp-python 0.3.36:
+it does not stop, for a stream either (its handler's ``request.is_disconnected()`` check never
+fired here; no "Disconnected" line in its log).
 
 Runs when an interpreter with ``llama_cpp.server`` and ``gguf`` is available: this one, or the
 one named by ``CANCEL_SIDECAR_LLAMA_PYTHON`` (the server and the model writer run under it).
@@ -44,8 +46,9 @@ from sidecar.config import parse_config
 ROOT = Path(__file__).resolve().parent.parent
 LLAMA_PY = os.environ.get("CANCEL_SIDECAR_LLAMA_PYTHON") or sys.executable
 START_S = 120.0  # guard: model written and server answering /v1/models
-EOS = "2"  # tests.llamacpp_model.EOS_ID: biased away so a generation runs to max_tokens
-LONG = 4000  # max_tokens of a generation the client leaves
+BASELINE = 50  # tokens of the request that measures the server's pace
+LONG_JSON = 1500  # max_tokens of a generation the client leaves (~20 s here)
+LONG_STREAM = 250  # the same as a stream (~20 s here: ~80 ms an event)
 WATCH_S = 3.0  # how long the server is watched after a disconnect
 
 
@@ -142,7 +145,8 @@ class Tap:
 
     def bodies(self) -> list[bytes]:
         """Every response body (de-chunked) the server sent, over all connections."""
-        return [body for conn in self.connections for body in _response_bodies(conn.from_server)]
+        return [body for conn in self.connections
+                for body in _response_bodies(bytes(conn.from_server))]
 
 
 def _response_bodies(data: bytes) -> list[bytes]:
@@ -205,7 +209,7 @@ def llama(tmp_path_factory: pytest.TempPathFactory) -> Any:
     with log.open("wb") as out:
         proc = subprocess.Popen(
             [LLAMA_PY, "-m", "llama_cpp.server", "--model", str(model), "--host", "127.0.0.1",
-             "--port", str(port), "--n_ctx", "4096", "--n_threads", "2",
+             "--port", str(port), "--n_ctx", "4096", "--n_threads", "1",
              "--model_alias", "tiny"],
             cwd=home, stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
             env={**os.environ, "PYTHONUNBUFFERED": "1"})
@@ -262,8 +266,7 @@ async def proxy(tap: Tap) -> AsyncIterator[str]:
 
 def _chat(max_tokens: int, stream: bool) -> dict[str, Any]:
     return {"model": "tiny", "messages": [{"role": "user", "content": "hello engine"}],
-            "max_tokens": max_tokens, "stream": stream, "temperature": 0.0,
-            "logit_bias": {EOS: -100.0}}
+            "max_tokens": max_tokens, "stream": stream, "temperature": 0.0}
 
 
 async def _until(predicate: Callable[[], bool], event: asyncio.Event, within_s: float) -> bool:
@@ -312,82 +315,63 @@ async def _watch_after(llama: LlamaServer, proxy: str, session: aiohttp.ClientSe
     return used, time.monotonic() - started
 
 
-async def test_llamacpp_stream_disconnect_closes_upstream_and_the_server_stops(
-        llama: LlamaServer, proxy: str, tap: Tap) -> None:
-    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=120)) as session:
-        # Baseline: what generating costs the server per second.
-        cpu = llama.cpu_s()
-        started = time.monotonic()
-        async with session.post(f"{proxy}/v1/chat/completions", json=_chat(200, False)) as resp:
-            await resp.read()
-        rate = (llama.cpu_s() - cpu) / (time.monotonic() - started)
-        seconds_per_200 = time.monotonic() - started
-
-        resp = await session.post(f"{proxy}/v1/chat/completions", json=_chat(LONG, True))
-        for _ in range(5):
-            line = await asyncio.wait_for(resp.content.readline(), 30)
-            assert line.startswith(b"data: ") or line == b"\n", f"expected SSE, got {line!r}"
-        conn = tap.latest()
-        left = time.monotonic()
-        resp.close()
-        closed = await _until(lambda: conn.client_closed_at is not None, tap.changed, 5)
-        assert closed and conn.client_closed_at is not None, (
-            "expected the sidecar to close the upstream connection after the disconnect")
-        close_s = conn.client_closed_at - left
-        used, next_s = await _watch_after(llama, proxy, session)
-
-    print(f"llama.cpp stream: generating costs {rate:.2f} CPU s/s ({seconds_per_200:.2f} s per "
-          f"200 tokens); upstream closed {close_s * 1000:.1f} ms after the disconnect; server "
-          f"CPU in the {WATCH_S:g} s after: {used:.2f} s; next request answered in "
-          f"{next_s:.2f} s", file=sys.stderr)
-    assert close_s < 0.5, f"expected the upstream closed at once (< 0.5 s), got {close_s:.3f} s"
-    # A server still generating LONG tokens would use about `rate` CPU s/s for many seconds.
-    assert used < 0.25 * rate * WATCH_S, (
-        f"expected the server to stop generating (< 25% of {rate * WATCH_S:.2f} CPU s in "
-        f"{WATCH_S:g} s), got {used:.2f} CPU s")
-    assert next_s < seconds_per_200, (
-        f"expected the next request served at once (< {seconds_per_200:.2f} s), got "
-        f"{next_s:.2f} s")
-    assert "Disconnected from client" in llama.output(), (
-        "expected the server to log the disconnect, got:\n" + llama.output()[-2000:])
-
-
-async def test_llamacpp_json_disconnect_closes_upstream_but_the_server_runs_on(
-        llama: LlamaServer, proxy: str, tap: Tap) -> None:
-    """A non-streaming request at llama-cpp-python runs to its end after the client left: the
-    server checks for a disconnect only before it starts (measured: the next request waits)."""
-    max_tokens = 600
+@pytest.mark.parametrize("stream", [True, False], ids=["stream", "json"])
+async def test_llamacpp_disconnect_closes_upstream_at_once_and_the_server_runs_on(
+        llama: LlamaServer, proxy: str, tap: Tap, stream: bool) -> None:
+    """Measured (llama-cpp-python 0.3.36): after the sidecar closes the upstream connection the
+    server goes on generating to ``max_tokens``, streaming or not: it keeps burning a core and
+    the next request waits for the abandoned one (it serves one request at a time)."""
     async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=180)) as session:
+        # Baseline: what generating costs the server, per second and per token.
+        # In the same mode: llama-cpp-python streams ~8x slower than it generates JSON here.
+        long = LONG_STREAM if stream else LONG_JSON
         cpu = llama.cpu_s()
         started = time.monotonic()
-        async with session.post(f"{proxy}/v1/chat/completions", json=_chat(200, False)) as resp:
-            await resp.read()
+        async with session.post(f"{proxy}/v1/chat/completions",
+                                json=_chat(BASELINE, stream)) as resp:
+            body = await resp.read()
         rate = (llama.cpu_s() - cpu) / (time.monotonic() - started)
-        per_token_s = (time.monotonic() - started) / 200
+        per_token_s = (time.monotonic() - started) / BASELINE
+        # Greedy decoding of random weights: never the EOS token here, so every generation
+        # runs to max_tokens (logit_bias against EOS made llama-cpp-python ~50x slower).
+        # A stream: a role chunk, one per token, a finish chunk, [DONE].
+        tokens = body.count(b"data: ") - 3 if stream else json.loads(body)["usage"][
+            "completion_tokens"]
+        assert tokens == BASELINE, f"expected {BASELINE} tokens, got {tokens}"
 
         task = asyncio.ensure_future(session.post(f"{proxy}/v1/chat/completions",
-                                                  json=_chat(max_tokens, False)))
-        await asyncio.sleep(1.0)  # the server is generating (it sends nothing until the end)
+                                                  json=_chat(long, stream)))
+        if stream:
+            resp = await asyncio.wait_for(task, 30)
+            for _ in range(5):
+                line = await asyncio.wait_for(resp.content.readline(), 30)
+                assert line.startswith(b"data: ") or line == b"\n", f"expected SSE, got {line!r}"
+        else:
+            await asyncio.sleep(1.0)  # generating; a JSON answer sends nothing until the end
         conn = tap.latest()
         left = time.monotonic()
-        task.cancel()
-        with pytest.raises(asyncio.CancelledError):
-            await task
+        if stream:
+            resp.close()
+        else:
+            task.cancel()
+            with pytest.raises(asyncio.CancelledError):
+                await task
         closed = await _until(lambda: conn.client_closed_at is not None, tap.changed, 5)
         assert closed and conn.client_closed_at is not None, (
             "expected the sidecar to close the upstream connection after the disconnect")
         close_s = conn.client_closed_at - left
         used, next_s = await _watch_after(llama, proxy, session)
 
-    expected_left_s = max_tokens * per_token_s - 1.0 - WATCH_S
-    print(f"llama.cpp JSON: upstream closed {close_s * 1000:.1f} ms after the disconnect; server "
-          f"CPU in the {WATCH_S:g} s after: {used:.2f} s (generating costs {rate:.2f} CPU s/s); "
-          f"next request answered in {next_s:.2f} s ({max_tokens} tokens take "
-          f"{max_tokens * per_token_s:.1f} s)", file=sys.stderr)
+    generation_s = long * per_token_s
+    print(f"llama.cpp {'stream' if stream else 'JSON'}: generating costs {rate:.2f} CPU s/s, "
+          f"{per_token_s * 1000:.1f} ms/token; upstream closed {close_s * 1000:.1f} ms after "
+          f"the disconnect; server CPU in the {WATCH_S:g} s after: {used:.2f} s; next request "
+          f"answered {next_s:.1f} s later ({long} tokens take ~{generation_s:.1f} s)",
+          file=sys.stderr)
     assert close_s < 0.5, f"expected the upstream closed at once (< 0.5 s), got {close_s:.3f} s"
     assert used > 0.5 * rate * WATCH_S, (
         f"expected the server to keep generating (> 50% of {rate * WATCH_S:.2f} CPU s in "
         f"{WATCH_S:g} s), got {used:.2f} CPU s")
-    assert next_s > 0.5 * expected_left_s, (
-        f"expected the next request to wait for the abandoned one (~{expected_left_s:.1f} s), "
-        f"got {next_s:.2f} s")
+    assert next_s > 0.5 * (generation_s - WATCH_S - 1.0), (
+        f"expected the next request to wait for the abandoned one (~{generation_s:.1f} s in "
+        f"all), got {next_s:.2f} s")
