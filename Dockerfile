@@ -1,17 +1,24 @@
 # cancel-sidecar: runs next to an inference engine in the same pod.
-# Build: docker build -t cancel-sidecar .   (not buildable on the project's CI machines: no Docker engine)
+# Build: docker build -t cancel-sidecar .
 # Run:   docker run -v $PWD/config/sidecar.yaml:/etc/cancel-sidecar/sidecar.yaml:ro -p 8080:8080 cancel-sidecar
+# BASE: any image with Python 3.11+ and pip on PATH as `python`/`pip`. CI builds this file with
+# podman against a stand-in base made from Debian's packages (tests/test_image.py: registry
+# images cannot be pulled there).
+ARG BASE=python:3.11-slim
 
-FROM python:3.11-slim AS build
+FROM ${BASE} AS build
 WORKDIR /src
 COPY pyproject.toml README.md ./
 COPY sidecar ./sidecar
 COPY engine ./engine
 RUN pip wheel --no-cache-dir --wheel-dir /wheels .
 
-FROM python:3.11-slim
+FROM ${BASE}
+# CANCEL_SIDECAR_HEALTHCHECK_URL: what HEALTHCHECK asks; set it when the mounted config's admin
+# listener is not on port 9090.
 ENV PYTHONDONTWRITEBYTECODE=1 \
-    PYTHONUNBUFFERED=1
+    PYTHONUNBUFFERED=1 \
+    CANCEL_SIDECAR_HEALTHCHECK_URL=http://127.0.0.1:9090/healthz
 COPY --from=build /wheels /wheels
 RUN pip install --no-cache-dir /wheels/*.whl && rm -rf /wheels \
     && useradd --system --uid 10001 --no-create-home --shell /usr/sbin/nologin sidecar
@@ -21,6 +28,6 @@ USER 10001
 # admin.host to 0.0.0.0 in the mounted config so the kubelet and the Service can reach them.
 EXPOSE 8080 9090
 HEALTHCHECK --interval=10s --timeout=2s --start-period=5s --retries=3 \
-    CMD ["python", "-c", "import urllib.request,sys; sys.exit(urllib.request.urlopen('http://127.0.0.1:9090/healthz', timeout=2).status != 200)"]
+    CMD ["python", "-c", "import os,sys,urllib.request; sys.exit(urllib.request.urlopen(os.environ['CANCEL_SIDECAR_HEALTHCHECK_URL'], timeout=2).status != 200)"]
 ENTRYPOINT ["cancel-sidecar"]
 CMD ["--config", "/etc/cancel-sidecar/sidecar.yaml"]

@@ -22,7 +22,7 @@ from sidecar.abort import Aborter
 from sidecar.cancel import Canceller, add_cancel_route, local_canceller
 from sidecar.config import Settings
 from sidecar.keys import ABORTER, EXCHANGES, METRICS, READINESS, REGISTRY, RUNTIME, SETTINGS, TASKS
-from sidecar.metrics import Metrics
+from sidecar.metrics import Metrics, ReadinessMetrics
 from sidecar.proxy import Exchange, error_response, handle
 from sidecar.readiness import OK, Readiness
 from sidecar.runtime import Runtime, Runtimes, describe_changes
@@ -150,11 +150,12 @@ def make_admin_app(runtimes: Runtimes, registry: CollectorRegistry,
                    canceller: Canceller) -> web.Application:
     """The admin application: ``/healthz``, ``/readyz`` (the engines of ``runtimes.current``;
     its :class:`~sidecar.readiness.Readiness` under ``keys.READINESS``, for the startup check),
-    ``/metrics`` (Prometheus text of ``registry``), and the cancel API (:mod:`sidecar.cancel`)
+    ``/metrics`` (Prometheus text of ``registry``, where the readiness verdicts are registered
+    too), and the cancel API (:mod:`sidecar.cancel`)
     looking ids up with ``canceller`` (this process's requests, or the workers')."""
     app = web.Application()
     app[RUNTIME] = runtimes
-    app[READINESS] = Readiness(runtimes)
+    app[READINESS] = Readiness(runtimes, ReadinessMetrics(registry))
     app[REGISTRY] = registry
     admin = runtimes.current.settings.admin
     add_cancel_route(app, admin.cancel_token if admin is not None else None, canceller)

@@ -133,3 +133,20 @@ class Metrics:
             "cancel_sidecar_tunnel_duration_seconds",
             "How long upgraded connections lasted, from the 101 relayed to both sides closed.",
             ["route"], buckets=_TUNNEL_BUCKETS, registry=registry)
+
+
+class ReadinessMetrics:
+    """The engines' readiness as the admin listener last saw it, registered on ``registry``.
+
+    Kept apart from :class:`Metrics`: readiness is checked by the admin side (the supervisor
+    under ``--workers``, whose registry otherwise only sums the workers' files), never by a
+    worker, so this gauge is one process's own.
+    """
+
+    def __init__(self, registry: CollectorRegistry) -> None:
+        self.engine_ready = Gauge(
+            "cancel_sidecar_engine_ready",
+            "1 if the engine passed its last readiness check (health endpoint 2xx and, for a kind "
+            "that aborts, its abort endpoint usable), else 0. Checked on each GET /readyz (the "
+            "kubelet's readiness probe) and by the startup check; by engine.",
+            ["engine"], registry=registry)

@@ -16,6 +16,8 @@ unknown ids, so it proves the route and the key only; never an empty list). Its 
 each engine's last verdict and logs only changes (INFO ``engine X ready (...)``, WARNING
 ``engine X not ready: HINT``), whoever asked: ``/readyz`` or :meth:`Readiness.watch`, the
 startup check the CLI starts once the listeners are up (in the supervisor under ``--workers``).
+Each verdict also sets ``cancel_sidecar_engine_ready`` (:class:`~sidecar.metrics.ReadinessMetrics`)
+when the admin listener exports metrics.
 The watch never blocks or fails the start (in a pod the engine usually starts after the
 sidecar): it re-checks every ``RECHECK_FIRST_S`` seconds, doubling up to ``RECHECK_MAX_S``,
 until every engine is ready, and is cancelled when the sidecar stops. The abort key is sent,
@@ -35,6 +37,7 @@ from engine import EngineAdapter
 from sidecar.abort import ABORT_STATUS_HINTS
 from sidecar.config import EngineKind
 from sidecar.keys import READINESS
+from sidecar.metrics import ReadinessMetrics
 from sidecar.runtime import Runtimes
 
 log = logging.getLogger(__name__)
@@ -102,8 +105,9 @@ async def check_engine(session: aiohttp.ClientSession, adapter: EngineAdapter) -
 class Readiness:
     """The readiness of the engines of ``runtimes.current``, and the log of its changes."""
 
-    def __init__(self, runtimes: Runtimes) -> None:
+    def __init__(self, runtimes: Runtimes, metrics: ReadinessMetrics | None = None) -> None:
         self._runtimes = runtimes
+        self._metrics = metrics
         self._last: dict[str, str] = {}
 
     async def check(self) -> dict[str, str]:
@@ -129,6 +133,11 @@ class Readiness:
                          else "health ok; its kind has no abort endpoint")
             else:
                 log.warning("engine %s not ready: %s", name, verdict)
+        if self._metrics is not None:
+            for name, verdict in results.items():
+                self._metrics.engine_ready.labels(engine=name).set(1 if verdict == OK else 0)
+            for gone in self._last.keys() - results.keys():  # removed by a reload
+                self._metrics.engine_ready.remove(gone)
         self._last = results
         return results
 

@@ -44,7 +44,12 @@ def test_dockerfile_runs_non_root_with_a_healthcheck_on_the_admin_port() -> None
     assert "/etc/cancel-sidecar/sidecar.yaml" in DOCKERFILE
     readme = (ROOT / "README.md").read_text()
     assert "/etc/cancel-sidecar/sidecar.yaml" in readme, "README must document the config path"
-    assert re.search(r"^FROM python:3\.\d+-slim", DOCKERFILE, re.M), "slim Python base expected"
+    # The base is a build argument (tests/test_image.py builds against a stand-in); the default
+    # is the slim Python image, and every stage starts from it.
+    assert re.search(r"^ARG BASE=python:3\.\d+-slim$", DOCKERFILE, re.M), (
+        f"expected ARG BASE=python:3.N-slim, got {re.findall(r'^ARG .*', DOCKERFILE, re.M)}")
+    froms = re.findall(r"^FROM\s+(\S+)", DOCKERFILE, re.M)
+    assert froms and all(f == "${BASE}" for f in froms), f"expected FROM ${{BASE}}, got {froms}"
 
 
 @pytest.mark.skipif(shutil.which("hadolint") is None and not (ROOT / ".venv/bin/hadolint").exists(),

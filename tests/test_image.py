@@ -1,0 +1,328 @@
+"""The container image, built from the Dockerfile and run as a user runs it (marker ``image``).
+
+Podman (Debian's 4.3, as root, runtime ``runc``) builds the Dockerfile and runs the image with
+``--network host`` and a mounted config in front of the fake engine, which runs in this test
+process on 127.0.0.1. Registry images cannot be pulled on the project's CI machines, so the
+Dockerfile's ``BASE`` is a stand-in built here from Debian's packages (``mmdebstrap``: bookworm
+minbase with Python 3.11 and pip, PEP 668 marker removed, ``python``/``pip`` links), imported
+once under :data:`BASE_TAG` and reused by later runs. The build gets this machine's pip
+configuration and CA bundle mounted read-only (its package index may be a local mirror).
+
+Skipped, with the reason, without podman, runc or mmdebstrap, or when not root; ``.ci/run``
+installs them (``apt-get install podman runc mmdebstrap``).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import os
+import re
+import shutil
+import socket
+import subprocess
+import sys
+import time
+import uuid
+from collections.abc import AsyncIterator, Iterator
+from contextlib import asynccontextmanager, suppress
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import aiohttp
+import psutil
+import pytest
+import yaml
+
+from tests.fake_engine import FakeEngine, flood_sha256
+
+ROOT = Path(__file__).resolve().parent.parent
+BASE_TAG = "localhost/cancel-sidecar-test-base:bookworm"
+IMAGE_TAG = "localhost/cancel-sidecar:ci"
+IMAGE_UID = 10001  # the Dockerfile's USER
+MMDEBSTRAP_S = 900.0  # guard: the stand-in base (~30 s to a few minutes, mostly downloads)
+BUILD_S = 900.0  # guard: the image build (~20-60 s here)
+READY_S = 60.0  # the container's ready line
+EXIT_S = 30.0  # exit after SIGTERM, or after a bad config
+# What the image's sidecar layers may add to the base (measured here: ~54 MB); a much larger
+# image means something unintended (a compiler, a cache) went in.
+MAX_ADDED_BYTES = 150 * 1024 * 1024
+
+_MISSING = [tool for tool in ("podman", "runc", "mmdebstrap") if shutil.which(tool) is None]
+
+pytestmark = [
+    pytest.mark.image,
+    # The first test also builds the base and the image (module fixture): minutes, not 120 s.
+    pytest.mark.timeout(MMDEBSTRAP_S + BUILD_S + 300),
+    pytest.mark.skipif(bool(_MISSING), reason=f"not installed: {', '.join(_MISSING)} "
+                       "(Debian: apt-get install podman runc mmdebstrap)"),
+    pytest.mark.skipif(os.geteuid() != 0, reason="podman runs here as root only"),
+]
+
+
+@dataclass
+class Podman:
+    """The podman command line with this module's containers.conf and runtime."""
+
+    env: dict[str, str]
+
+    def run(self, *args: str, timeout_s: float = 60.0, check: bool = True
+            ) -> subprocess.CompletedProcess[str]:
+        result = subprocess.run(["podman", *args], env=self.env, capture_output=True, text=True,
+                                timeout=timeout_s, check=False)
+        if check:
+            assert result.returncode == 0, (
+                f"expected `podman {' '.join(args)}` to exit 0, got {result.returncode}:\n"
+                f"{result.stdout}{result.stderr}")
+        return result
+
+    def size(self, tag: str) -> int:
+        return int(self.run("image", "inspect", "--format", "{{.Size}}", tag).stdout)
+
+
+@pytest.fixture(scope="module")
+def podman(tmp_path_factory: pytest.TempPathFactory) -> Podman:
+    conf = tmp_path_factory.mktemp("podman") / "containers.conf"
+    # The default ulimits ask for rlimits these machines refuse; runc, not crun (crun fails on
+    # the hybrid cgroup hierarchy here).
+    conf.write_text('[containers]\ndefault_ulimits = []\n\n[engine]\nruntime = "runc"\n')
+    return Podman({**os.environ, "CONTAINERS_CONF": str(conf)})
+
+
+def _build_base(podman: Podman, tmp: Path) -> None:
+    tar = tmp / "base.tar"
+    hook = ('rm -f "$1"/usr/lib/python3.11/EXTERNALLY-MANAGED; '
+            'ln -sf python3 "$1"/usr/bin/python; '
+            'test -e "$1"/usr/bin/pip || ln -s pip3 "$1"/usr/bin/pip')
+    result = subprocess.run(
+        ["mmdebstrap", "--variant=minbase",
+         "--include=python3.11,python3-venv,python3-pip,ca-certificates",
+         f"--customize-hook={hook}", "bookworm", str(tar)],
+        capture_output=True, text=True, timeout=MMDEBSTRAP_S, check=False)
+    assert result.returncode == 0, (
+        f"expected mmdebstrap to build the stand-in base, got exit {result.returncode}:\n"
+        f"{result.stderr[-4000:]}")
+    podman.run("import", str(tar), BASE_TAG, timeout_s=300)
+    tar.unlink()
+
+
+def _read_only_mounts() -> list[str]:
+    """This machine's pip configuration and CA bundle, for the build's ``pip`` steps."""
+    mounts = []
+    for path in ("/etc/pip.conf", "/etc/xdg/pip", "/etc/ssl/certs"):
+        if os.path.exists(path):
+            mounts += ["-v", f"{path}:{path}:ro"]
+    return mounts
+
+
+@pytest.fixture(scope="module")
+def image(podman: Podman, tmp_path_factory: pytest.TempPathFactory) -> str:
+    """The image built from the Dockerfile on the stand-in base; its tag."""
+    if podman.run("image", "exists", BASE_TAG, check=False).returncode != 0:
+        _build_base(podman, tmp_path_factory.mktemp("base"))
+    started = time.monotonic()
+    podman.run("build", "--runtime", "runc", "--network", "host", "--pull=never",
+               "--format", "docker",  # podman's own format drops HEALTHCHECK
+               "--build-arg", f"BASE={BASE_TAG}", *_read_only_mounts(),
+               "-t", IMAGE_TAG, "-f", str(ROOT / "Dockerfile"), str(ROOT), timeout_s=BUILD_S)
+    print(f"image built in {time.monotonic() - started:.0f} s: {podman.size(IMAGE_TAG)} bytes "
+          f"(base {podman.size(BASE_TAG)} bytes)", file=sys.stderr)
+    return IMAGE_TAG
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+class Container:
+    """``podman run`` attached: the container's stdout/stderr are the process's."""
+
+    def __init__(self, podman: Podman, name: str, proc: asyncio.subprocess.Process) -> None:
+        self.podman = podman
+        self.name = name
+        self.proc = proc
+        self.stderr_lines: list[str] = []
+        self.proxy_port = 0
+        self.admin_port = 0
+        self._reader: asyncio.Task[None] | None = None
+
+    @property
+    def stderr(self) -> str:
+        return "".join(self.stderr_lines)
+
+    async def _read_stderr(self) -> None:
+        assert self.proc.stderr is not None
+        while line := await self.proc.stderr.readline():
+            self.stderr_lines.append(line.decode(errors="replace"))
+
+    async def podman_async(self, *args: str, timeout_s: float = 30.0) -> tuple[int, str]:
+        proc = await asyncio.create_subprocess_exec(
+            "podman", *args, env=self.podman.env, stdout=asyncio.subprocess.PIPE,
+            stderr=asyncio.subprocess.STDOUT)
+        out, _ = await asyncio.wait_for(proc.communicate(), timeout_s)
+        assert proc.returncode is not None
+        return proc.returncode, out.decode(errors="replace")
+
+    async def wait_exit(self, within_s: float = EXIT_S) -> int:
+        try:
+            code = await asyncio.wait_for(self.proc.wait(), within_s)
+        except TimeoutError:
+            raise AssertionError(f"expected the container to exit within {within_s} s, it did "
+                                 f"not; stderr:\n{self.stderr}") from None
+        if self._reader is not None:
+            await asyncio.wait_for(self._reader, within_s)
+        return code
+
+
+@asynccontextmanager
+async def container(podman: Podman, image: str, config: Path, *, env: dict[str, str] | None = None,
+                    wait_ready: bool = True) -> AsyncIterator[Container]:
+    """``podman run --rm --network host -v CONFIG:/etc/cancel-sidecar/sidecar.yaml:ro IMAGE``;
+    with ``wait_ready`` reads the sidecar's ready line first. Removed at the end if still up."""
+    name = f"cancel-sidecar-test-{uuid.uuid4().hex[:12]}"
+    env_args = [a for k, v in (env or {}).items() for a in ("-e", f"{k}={v}")]
+    proc = await asyncio.create_subprocess_exec(
+        "podman", "run", "--rm", "--name", name, "--runtime", "runc", "--network", "host",
+        *env_args, "-v", f"{config}:/etc/cancel-sidecar/sidecar.yaml:ro", image,
+        env=podman.env, stdin=asyncio.subprocess.DEVNULL, stdout=asyncio.subprocess.PIPE,
+        stderr=asyncio.subprocess.PIPE)
+    box = Container(podman, name, proc)
+    box._reader = asyncio.get_running_loop().create_task(box._read_stderr(),
+                                                         name=f"stderr of {name}")
+    try:
+        if wait_ready:
+            assert proc.stdout is not None
+            try:
+                line = (await asyncio.wait_for(proc.stdout.readline(), READY_S)).decode()
+            except TimeoutError:
+                line = ""
+            match = re.match(r"cancel-sidecar: proxy on \S+:(\d+), admin on \S+:(\d+)$",
+                             line.strip())
+            assert match, (f"expected the container's 'proxy on HOST:PORT, admin on HOST:PORT' "
+                           f"line within {READY_S} s, got {line!r}; stderr:\n{box.stderr}")
+            box.proxy_port, box.admin_port = int(match[1]), int(match[2])
+        yield box
+    finally:
+        if proc.returncode is None:
+            with suppress(AssertionError, TimeoutError):
+                await box.podman_async("rm", "-f", "-t", "0", name)
+            with suppress(ProcessLookupError):
+                proc.kill()
+            await proc.wait()
+        if box._reader is not None:
+            with suppress(TimeoutError):
+                await asyncio.wait_for(box._reader, 5)
+
+
+def _config(tmp_path: Path, engine_url: str, admin_port: int, **sections: Any) -> Path:
+    tree: dict[str, Any] = {
+        "listen": {"host": "127.0.0.1", "port": 0},
+        "admin": {"host": "127.0.0.1", "port": admin_port},
+        "engines": {"local": {"kind": "vllm", "url": engine_url, "abort": {"timeout_s": 2.0}}},
+        "routes": [{"prefix": "/", "engine": "local"}],
+        "lifecycle": {"grace_period_s": 20.0},
+    }
+    tree.update(sections)
+    path = tmp_path / "sidecar.yaml"
+    path.write_text(yaml.safe_dump(tree))
+    path.chmod(0o644)  # the container's user 10001 reads it
+    return path
+
+
+@pytest.fixture
+def running_config(tmp_path: Path, engine: FakeEngine) -> Iterator[tuple[Path, int]]:
+    admin = _free_port()
+    yield _config(tmp_path, engine.url, admin), admin
+
+
+async def test_image_serves_relays_aborts_and_drains_as_non_root(
+        podman: Podman, image: str, engine: FakeEngine,
+        running_config: tuple[Path, int]) -> None:
+    config, admin = running_config
+    health_url = f"http://127.0.0.1:{admin}/healthz"
+    async with container(podman, image, config,
+                         env={"CANCEL_SIDECAR_HEALTHCHECK_URL": health_url}) as box, \
+            aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=30)) as session:
+        proxy = f"http://127.0.0.1:{box.proxy_port}"
+        assert box.admin_port == admin, f"expected admin on {admin}, got {box.admin_port}"
+
+        async with session.get(health_url) as resp:
+            assert resp.status == 200, f"expected /healthz 200, got {resp.status}"
+        async with session.get(f"http://127.0.0.1:{admin}/readyz") as resp:
+            body = await resp.json()
+            assert resp.status == 200 and body["ready"], (
+                f"expected /readyz 200 ready, got {resp.status} {body}")
+
+        # The process in the container runs as the image's user, seen from the host.
+        code, out = await box.podman_async("inspect", "--format", "{{.State.Pid}}", box.name)
+        assert code == 0, f"expected podman inspect to work, got {code}: {out}"
+        uids = psutil.Process(int(out.strip())).uids()
+        assert (uids.real, uids.effective) == (IMAGE_UID, IMAGE_UID), (
+            f"expected the sidecar to run as uid {IMAGE_UID}, got {uids}")
+
+        # The image's HEALTHCHECK command, run by podman inside the container.
+        code, out = await box.podman_async("healthcheck", "run", box.name)
+        assert code == 0, f"expected `podman healthcheck run` to pass, got {code}: {out}"
+
+        # A stream relayed byte for byte (4 MiB of SSE, as fast as it goes).
+        size = 4 * 1024 * 1024
+        async with session.get(f"{proxy}/flood?size={size}") as resp:
+            digest = hashlib.sha256()
+            length = 0
+            async for chunk in resp.content.iter_any():
+                digest.update(chunk)
+                length += len(chunk)
+        assert (length, digest.hexdigest()) == flood_sha256(size), (
+            f"expected the /flood body byte for byte {flood_sha256(size)}, got "
+            f"{(length, digest.hexdigest())}")
+
+        # A client disconnect mid-stream reaches the engine's abort endpoint.
+        resp = await session.post(f"{proxy}/v1/chat/completions?tokens=2000&interval=0.01",
+                                  json={"model": "m", "stream": True, "messages": []})
+        first = await asyncio.wait_for(resp.content.readline(), 10)
+        assert first.startswith(b"data: "), f"expected an SSE event, got {first!r}"
+        resp.close()  # the client leaves
+        record = await engine.record.wait_abort(guard_s=10)
+        started = engine.record.generations[-1].request_id
+        # vLLM's chat route runs it as chatcmpl-<id> (engine.vllm).
+        assert f"chatcmpl-{started}" in record.ids, (
+            f"expected an abort naming chatcmpl-{started}, got {engine.record.aborts}")
+
+        # SIGTERM while a stream runs: the stream finishes (drain), then exit 0.
+        resp = await session.post(f"{proxy}/v1/chat/completions?tokens=40&interval=0.05",
+                                  json={"model": "m", "stream": True, "messages": []})
+        first = await asyncio.wait_for(resp.content.readline(), 10)
+        assert first.startswith(b"data: "), f"expected an SSE event, got {first!r}"
+        code, out = await box.podman_async("kill", "--signal", "TERM", box.name)
+        assert code == 0, f"expected podman kill -s TERM to work, got {code}: {out}"
+        rest = await asyncio.wait_for(resp.read(), 20)
+        assert rest.endswith(b"data: [DONE]\n\n"), (
+            f"expected the stream to finish after SIGTERM, got its end {rest[-200:]!r}")
+        code = await box.wait_exit()
+        assert code == 0, f"expected exit 0 after SIGTERM, got {code}; stderr:\n{box.stderr}"
+        assert re.search(r"stopped in [\d.]+ s \(1 request\(s\) finished during the drain",
+                         box.stderr), f"expected a drain of one request, got:\n{box.stderr}"
+
+
+async def test_image_refuses_a_bad_mounted_config_with_located_errors(
+        podman: Podman, image: str, tmp_path: Path) -> None:
+    config = _config(tmp_path, "http://127.0.0.1:9", _free_port(),
+                     listen={"host": "127.0.0.1", "port": 70000},
+                     routes=[{"prefix": "/", "engine": "nowhere"}])
+    async with container(podman, image, config, wait_ready=False) as box:
+        code = await box.wait_exit()
+    assert code == 1, f"expected exit 1 for a bad config, got {code}; stderr:\n{box.stderr}"
+    for located in ("listen.port: ", "routes.0.engine: names no defined engine"):
+        assert located in box.stderr, f"expected {located!r} on stderr, got:\n{box.stderr}"
+
+
+def test_image_size(podman: Podman, image: str) -> None:
+    total, base = podman.size(image), podman.size(BASE_TAG)
+    print(f"image {total / 1e6:.0f} MB, of which the sidecar's layers {(total - base) / 1e6:.0f} "
+          f"MB over the base", file=sys.stderr)
+    assert total - base <= MAX_ADDED_BYTES, (
+        f"expected the sidecar's layers to add at most {MAX_ADDED_BYTES} bytes, got "
+        f"{total - base} ({total} - base {base})")
