@@ -80,6 +80,7 @@ log = logging.getLogger(__name__)
 MAX_CALLS_PER_ENGINE = 8
 MAX_CONCURRENT_CALLS = 64  # over all engines; also the abort session's pool size (sidecar.app)
 MAX_QUEUED_IDS = 16384  # per engine, waiting for a slot: at most ~8 MB held while an engine hangs
+RESEND_SLOTS = MAX_CALLS_PER_ENGINE - 2  # re-sends never take the last slots: first calls go first
 _LOGGED_IDS = 8  # sidecar request ids named in a call's log line; the access lines have the rest
 RETRY_BACKOFF_S = 0.05  # before the first retry, seconds; doubles for each further one
 RETRY_BACKOFF_MAX_S = 1.0
@@ -172,6 +173,7 @@ class _Resend:
     due: float
     gap: float
     stopped: bool = False  # a call naming its ids was refused: re-sending cannot help
+    pending: _Request | None = None  # the last re-send queued (one at a time per request)
 
     def advance(self, max_interval_s: float) -> bool:
         """Move to the next re-send; False once the one at ``until`` was made."""
@@ -187,34 +189,49 @@ class _Queue:
     """One engine adapter's waiting requests and calls in flight."""
 
     engine: EngineAdapter
-    waiting: deque[_Request] = field(default_factory=deque)
+    waiting: deque[_Request] = field(default_factory=deque)  # first calls: always ahead
     waiting_ids: int = 0
+    resending: deque[_Request] = field(default_factory=deque)  # re-sends, one per request
+    resending_ids: int = 0
     in_flight: int = 0
     flush_scheduled: bool = False
+    flush_token: object = None  # the scheduled flush task's, so a stale done-callback is known
     resends: list[tuple[float, int, _Resend]] = field(default_factory=list)  # heap by due
     resend_timer: asyncio.TimerHandle | None = None
 
-    def take(self, limit: int) -> tuple[tuple[str, ...], list[_Request]]:
-        """Up to ``limit`` waiting ids, oldest first, and the requests they belong to. A request
-        with more ids than fit is split; its remaining ids stay first in line."""
+    def take(self, limit: int, *, resends: bool) -> tuple[tuple[str, ...], list[_Request]]:
+        """Up to ``limit`` waiting ids, oldest first, first calls before re-sends (those only if
+        ``resends``), and the requests they belong to. A request with more ids than fit is
+        split; its remaining ids stay first in line."""
         ids: list[str] = []
         requests: list[_Request] = []
-        while self.waiting and len(ids) < limit:
-            request = self.waiting[0]
-            start = len(request.ids) - request.unsent
-            count = min(request.unsent, limit - len(ids))
-            ids.extend(request.ids[start:start + count])
-            request.unsent -= count
-            request.calls += 1
-            requests.append(request)
-            if request.unsent == 0:
-                self.waiting.popleft()
-        self.waiting_ids -= len(ids)
+        for line in (self.waiting, self.resending) if resends else (self.waiting,):
+            taken = len(ids)
+            while line and len(ids) < limit:
+                request = line[0]
+                start = len(request.ids) - request.unsent
+                count = min(request.unsent, limit - len(ids))
+                ids.extend(request.ids[start:start + count])
+                request.unsent -= count
+                request.calls += 1
+                requests.append(request)
+                if request.unsent == 0:
+                    line.popleft()
+            if line is self.waiting:
+                self.waiting_ids -= len(ids) - taken
+            else:
+                self.resending_ids -= len(ids) - taken
         return tuple(ids), requests
 
+    def ready(self) -> bool:
+        """Something to send now: a first call while a slot is free, a re-send while one of
+        the ``RESEND_SLOTS`` is."""
+        return bool((self.waiting and self.in_flight < MAX_CALLS_PER_ENGINE)
+                    or (self.resending and self.in_flight < RESEND_SLOTS))
+
     def idle(self) -> bool:
-        return (not self.waiting and self.in_flight == 0 and not self.flush_scheduled
-                and not self.resends)
+        return (not self.waiting and not self.resending and self.in_flight == 0
+                and not self.flush_scheduled and not self.resends)
 
 
 class Aborter:
@@ -298,20 +315,35 @@ class Aborter:
         self._enqueue(queue, request)
 
     def _enqueue(self, queue: _Queue, request: _Request) -> None:
-        """Put ``request``'s ids in line and make sure a flush runs in the next loop turn."""
+        """Put ``request``'s ids in line (a re-send behind every first call) and make sure a
+        flush runs in the next loop turn. A re-send that does not fit the bound is skipped: it
+        never pushes out a first call."""
         ids = request.ids
-        if queue.waiting_ids + len(ids) > MAX_QUEUED_IDS and not self._make_room(queue, request):
-            return
-        queue.waiting.append(request)
-        queue.waiting_ids += len(ids)
+        if not request.first:
+            if queue.resending_ids + len(ids) > MAX_QUEUED_IDS:
+                return
+            queue.resending.append(request)
+            queue.resending_ids += len(ids)
+        else:
+            while (queue.resending and queue.waiting_ids + queue.resending_ids + len(ids)
+                   > MAX_QUEUED_IDS):  # re-sends give way first
+                queue.resending_ids -= queue.resending.pop().unsent
+            if (queue.waiting_ids + len(ids) > MAX_QUEUED_IDS
+                    and not self._make_room(queue, request)):
+                return
+            queue.waiting.append(request)
+            queue.waiting_ids += len(ids)
         if not queue.flush_scheduled:
             queue.flush_scheduled = True
             # A task's first step is scheduled with call_soon: the flush runs in the next loop
             # turn, and that same step sends the first call (a separate task per call would
             # start one turn later still, which under load is tens of milliseconds).
+            token = queue.flush_token = object()
             flush = self._tasks.spawn(self._scheduled_flush(queue),
                                       name=f"abort {queue.engine.name}: flush")
-            flush.add_done_callback(lambda _: self._flush_never_ran(queue))
+            flush.add_done_callback(
+                lambda task: self._flush_never_ran(queue) if task.cancelled()
+                and queue.flush_token is token else None)
 
     def _schedule_resend(self, queue: _Queue, resend: _Resend) -> None:
         heapq.heappush(queue.resends, (resend.due, next(self._order), resend))
@@ -338,10 +370,11 @@ class Aborter:
             _, _, resend = heapq.heappop(queue.resends)
             if resend.stopped:
                 continue
-            again = _Request(resend.ids, resend.sidecar_id, now, None, len(resend.ids),
-                             resend=resend, first=False)
-            self._enqueue(queue, again)
-            count += len(resend.ids)
+            if resend.pending is None or resend.pending.unsent == 0:  # the last one went out
+                again = resend.pending = _Request(resend.ids, resend.sidecar_id, now, None,
+                                                  len(resend.ids), resend=resend, first=False)
+                self._enqueue(queue, again)
+                count += len(resend.ids)
             if resend.advance(max_interval_s):
                 heapq.heappush(queue.resends, (resend.due, next(self._order), resend))
         if count:
@@ -402,9 +435,9 @@ class Aborter:
         the first call is returned (its slot taken) for the caller to send, not spawned."""
         engine = queue.engine
         first = None
-        while (queue.waiting and queue.in_flight < MAX_CALLS_PER_ENGINE
-               and self._in_flight < MAX_CONCURRENT_CALLS):
-            ids, requests = queue.take(engine.max_ids_per_call)
+        while queue.ready() and self._in_flight < MAX_CONCURRENT_CALLS:
+            ids, requests = queue.take(engine.max_ids_per_call,
+                                       resends=queue.in_flight < RESEND_SLOTS)
             call = engine.abort_call(ids)
             queue.in_flight += 1
             self._in_flight += 1
@@ -444,7 +477,7 @@ class Aborter:
         self._settle(engine, requests, answer.outcome)
         self._flush(queue)
         for other in list(self._queues.values()):  # a slot under MAX_CONCURRENT_CALLS is free
-            if other.waiting and self._in_flight < MAX_CONCURRENT_CALLS:
+            if other.ready() and self._in_flight < MAX_CONCURRENT_CALLS:
                 self._flush(other)
 
     def _release(self, queue: _Queue) -> None:
@@ -485,12 +518,17 @@ class Aborter:
     def _settle(self, engine: EngineAdapter, requests: list[_Request], outcome: str) -> None:
         for request in requests:
             request.calls -= 1
-            if outcome != _OK and request.resend is not None:
-                request.resend.stopped = True  # refused or unanswered: re-sending cannot help
+            if request.resend is not None and outcome.startswith("http_"):
+                # Refused (403 without --enable-scale-out, 401, 404, ...): re-sending cannot
+                # help. A timeout or a lost connection does not stop them: an overloaded engine
+                # is when registrations come late.
+                request.resend.stopped = True
             if request.settle(outcome):
                 self._finish(engine, request)
 
     def _cancel_waiting(self, queue: _Queue) -> None:
+        queue.resending.clear()
+        queue.resending_ids = 0
         while queue.waiting:
             request = queue.waiting.popleft()
             queue.waiting_ids -= request.unsent
