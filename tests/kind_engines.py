@@ -23,11 +23,12 @@ the same: ``registration_delay_s`` (constructor, default 0: registered at once, 
 every older test relies on) or the per-request query parameter ``register_delay`` (seconds from
 the whole body's arrival to the first id's registration) and ``register_stagger`` (seconds
 between successive ids of a multi-id request: vLLM adds a prompt list one prompt at a time). An
-abort naming a not-yet-registered id is recorded (``Work.ignored``, ``AbortCall.ignored``,
-``KindEngine.ignored``) and changes nothing. A request starts generating (its response head, its
-first-byte delay and tokens) once all its ids are registered, whether or not its connection is
-still open; ``Work.ran_to_end`` says, per engine id, which ids reached their last token
-un-aborted.
+abort naming a not-yet-registered id, or one whose request has not even arrived (an abort can
+overtake its request on another connection), is recorded (``Work.ignored``,
+``AbortCall.ignored``, ``KindEngine.ignored``) and changes nothing. A request starts generating
+(its response head, its first-byte delay and tokens) once all its ids are registered, whether or
+not its connection is still open; ``Work.ran_to_end`` says, per engine id, which ids reached
+their last token un-aborted.
 
 - :class:`VLLMEngine` (``../shared/notes/vllm-facts.md``, README "Request ids", checked against
   vLLM 0.32 in ``tests/e2e/VLLM_FACTS_CHECKED.md``): the id is the ``X-Request-Id`` header;
@@ -91,6 +92,8 @@ class Work:
     started: float
     body: Any = None  # the JSON body as the engine received it
     length_s: float | None = None  # registration -> last token, seconds (None: not generated here)
+    tokens: int = 0  # its SSE token events in all, ``interval_s`` apart
+    interval_s: float = 0.0
     registered: dict[str, float] = field(default_factory=dict)  # engine id -> when it became known
     ignored: dict[str, list[float]] = field(default_factory=dict)  # engine id -> aborts naming it
     #                                                                before it was registered
@@ -162,6 +165,8 @@ class KindEngine:
         self.works: list[Work] = []
         self.pending: dict[str, Work] = {}  # engine id -> its work, until it is registered
         self.ignored: list[tuple[float, str]] = []  # (when, engine id): aborts before registration
+        self._ids_seen: set[str] = set()  # every engine id of every request that arrived
+        self._too_early: dict[str, list[float]] = {}  # id -> aborts before its request arrived
         self.calls: list[AbortCall] = []
         self.probes: list[AbortCall] = []  # the sidecar's readiness probes, kept apart
         self.unknown_paths: list[str] = []
@@ -214,6 +219,10 @@ class KindEngine:
         tag, ids = self.derive(path, headers, body)
         work = Work(path, headers.get("X-Request-Id"), tag, ids, time.monotonic(), body, length_s)
         self.works.append(work)
+        self._ids_seen.update(ids)
+        for i in ids:  # an abort that overtook the request itself was as much a no-op
+            if i in self._too_early:
+                work.ignored[i] = self._too_early.pop(i)
         delay = self.registration_delay_s if delay_s is None else delay_s
         if delay <= 0 and stagger_s <= 0:
             self._register(work, ids)
@@ -260,11 +269,15 @@ class KindEngine:
 
     def _ignore(self, engine_id: str, now: float) -> list[str]:
         """An abort named ``engine_id`` while it was not live: recorded if it is still to be
-        registered (the no-op a real engine makes of it)."""
+        registered, or its request has not even arrived (the no-op a real engine makes of it;
+        the latter is put on the request's ``Work.ignored`` when it arrives)."""
         work = self.pending.get(engine_id)
-        if work is None:
+        if work is not None:
+            work.ignored.setdefault(engine_id, []).append(now)
+        elif engine_id not in self._ids_seen and not engine_id.startswith(PROBE_PREFIX):
+            self._too_early.setdefault(engine_id, []).append(now)
+        else:
             return []
-        work.ignored.setdefault(engine_id, []).append(now)
         self.ignored.append((now, engine_id))
         return [engine_id]
 
@@ -297,10 +310,14 @@ class KindEngine:
         task.add_done_callback(self._tasks.discard)
 
     async def _linger(self, work: Work) -> None:
-        """Generate for nobody until every id is aborted, the last token, or ``LINGER_S``."""
+        """Generate for nobody until every id is aborted, the last token, or ``LINGER_S``. The
+        last token is due ``length_s`` after the registration, or, for a stream behind that
+        schedule (a slow reader), after its remaining events."""
         left = LINGER_S
         if work.length_s is not None and work.registered_at is not None:
-            left = min(left, max(0.0, work.registered_at + work.length_s - time.monotonic()))
+            due = max(work.registered_at + work.length_s - time.monotonic(),
+                      (work.tokens - work.events) * work.interval_s if work.events else 0.0)
+            left = min(left, max(0.0, due))
         await _wait(work.stop, left)
         self._end(work)
 
@@ -346,11 +363,12 @@ class KindEngine:
             return web.json_response({"error": {"message": "body must be a JSON object"}},
                                      status=400)
         query = request.query
-        length = (float(query.get("first_byte_delay", 0))
-                  + int(query.get("tokens", 20)) * float(query.get("interval", 0.01)))
+        tokens, interval = int(query.get("tokens", 20)), float(query.get("interval", 0.01))
+        length = float(query.get("first_byte_delay", 0)) + tokens * interval
         delay = float(query["register_delay"]) if "register_delay" in query else None
         work = self.admit(request.path, request.headers, body, delay_s=delay,
                           stagger_s=float(query.get("register_stagger", 0)), length_s=length)
+        work.tokens, work.interval_s = tokens, interval
         try:
             await work.known.wait()  # at once unless registration is delayed
             return await self._respond(request, body, work)

@@ -1,0 +1,421 @@
+"""Guaranteed abort: a client that leaves at any instant from its last body byte on leaves no
+generation running at the engine, even while the engine is still registering the request's ids.
+
+vLLM and SGLang learn a request's engine ids only some time after the whole body arrived (chat
+template, tokenization, media fetches); an abort naming an id not registered yet is a no-op,
+answered 200 (``../shared/notes/cancellation-facts.md``). The fakes of ``tests/kind_engines.py``
+do the same (``register_delay``, ``register_stagger``) and keep generating for a closed request
+until every id is aborted or it reaches its last token, so "nothing ran to its end" is the
+engine's observation, never the sidecar's word (no log or metric is read here).
+
+Matrix (``test_no_engine_id_outlives_its_client``, one test per engine kind and abort window;
+every case of a test runs against one real ``python -m sidecar`` subprocess, the production
+entrypoint, in a process of its own so its relay timing is not this loop's, the clients launched
+``LAUNCH_STEP_S`` apart with the delays and routes interleaved):
+
+============  ================================================================================
+kinds         ``vllm``, ``sglang``
+delays        0, 2 ms, 20 ms, 300 ms (default ``abort`` settings: ``resend_window_s`` 2.0,
+              ``resend_max_interval_s`` 0.2, what the defaults cover) and 2 s
+              (``resend_window_s`` 2.5); whole body -> first id registered; a multi-id request
+              registers one id every ``STAGGER_S``
+routes        streaming chat, JSON chat, a 4-prompt streaming completion, a batch (vLLM
+              ``/v1/chat/completions/batch`` with 3 conversations, SGLang ``/generate`` with 3
+              texts), each generating 200 tokens x 20 ms (4 s) once registered
+instants      after the client's last body byte: 0 (the same loop step), 1 ms, 10 ms, 100 ms;
+              relative to the engine: ``engine_has_body`` (the moment it has the whole body),
+              ``before_registration`` (``MARGIN_S``, at most half the delay, before the first id
+              is registered) and ``after_registration`` (right after the last id is)
+ways          ``rst`` (SO_LINGER 0), ``fin`` (close), ``half`` (shutdown(SHUT_WR), then read until
+              the sidecar closes)
+============  ================================================================================
+
+Per case: if the engine got the whole body, every engine id of the request is stopped (aborted
+after its registration) and none runs to its end; the calls naming each id stop (none later than
+the registration window's end + ``GUARD_S``, time this process was descheduled excluded) and
+number at least one and at most :func:`tests.support.max_calls` (the documented schedule: the
+first call, re-sends 5 ms after it doubling up to ``resend_max_interval_s``, the last when the
+window closes, plus one for coalescing). A bystander per route and delay (short, read to its end
+by aiohttp) runs to its end and none of its ids is ever named, though re-sends of the others go
+on after it completed. A body that never reached the engine whole (the client left while the
+sidecar was still relaying it: on this loaded machine that happens even 100 ms after the last
+byte) needs no abort; such cases are allowed at the client-timed instants only, and counted in
+the printed summary (run with ``-s``), with the number of cases whose first abort the engine
+ignored because it came before the registration (the race this module is about).
+
+``test_after_the_window_one_call`` proves the other side of the bound: a request that ends
+after its window (``resend_window_s`` 0.3) gets exactly one call per id.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import random
+import time
+from collections import Counter
+from collections.abc import AsyncIterator, Callable
+from contextlib import asynccontextmanager
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import aiohttp
+import pytest
+import yaml
+
+from sidecar.config import parse_config
+from tests.cli_process import cli_process, config_tree
+from tests.kind_engines import KindEngine, SGLangEngine, VLLMEngine, Work
+from tests.support import (
+    API_KEY,
+    FOREVER,
+    Stalls,
+    max_calls,
+    ms,
+    raw_client,
+    request_body,
+    settle,
+)
+
+pytestmark = pytest.mark.timeout(90)
+
+GEN = "tokens=200&interval=0.02"  # 4 s after registration: a missed abort shows as a finished id
+BYSTANDER_GEN = "tokens=10&interval=0.01"
+STAGGER_S = 0.005  # between successive ids' registration of a multi-id request (delay > 0)
+MARGIN_S = 0.05  # ``before_registration``: this long (at most half the delay) before it
+GUARD_S = 1.0  # lag allowed after the window's end (this loop runs sidecar, engine and clients)
+
+DELAYS = {"0": 0.0, "2ms": 0.002, "20ms": 0.02, "300ms": 0.3, "2s": 2.0}
+# window -> (engines.local.abort settings beyond the key, the delays run against it)
+WINDOWS: dict[str, tuple[dict[str, Any], list[str]]] = {
+    "default": ({}, ["0", "2ms", "20ms", "300ms"]),  # resend_window_s 2.0 (the default)
+    "2.5s": ({"resend_window_s": 2.5}, ["2s"]),
+}
+# instant -> seconds after the client's last body byte, or a name relative to the engine
+INSTANTS: dict[str, float | str] = {
+    "0": 0.0, "1ms": 0.001, "10ms": 0.01, "100ms": 0.1,
+    "engine_has_body": "body", "before_registration": "before",
+    "after_registration": "after",
+}
+# The client-timed instants: the sidecar may not have relayed the whole body by then (it is a
+# process of its own on a loaded machine), and then the engine never gets it and nothing is owed.
+MAY_MISS_THE_ENGINE = {"0", "1ms", "10ms", "100ms"}
+LAUNCH_STEP_S = 0.008  # between starting successive clients: no burst of connects at t=0
+HOWS = ("rst", "fin", "half")
+
+CHAT_BODY = {"messages": [{"role": "user", "content": "hi"}]}
+PROMPTS_4 = {"prompt": ["a", "b", "c", "d"]}
+# kind -> route -> (path, body without "stream", stream?)
+ROUTES: dict[str, dict[str, tuple[str, dict[str, Any], bool]]] = {
+    "vllm": {
+        "chat-stream": ("/v1/chat/completions", CHAT_BODY, True),
+        "chat-json": ("/v1/chat/completions", CHAT_BODY, False),
+        "completions-4-prompts": ("/v1/completions", PROMPTS_4, True),
+        "chat-batch-3": ("/v1/chat/completions/batch", {"messages": [
+            [{"role": "user", "content": c}] for c in "abc"]}, False),
+    },
+    "sglang": {
+        "chat-stream": ("/v1/chat/completions", CHAT_BODY, True),
+        "chat-json": ("/v1/chat/completions", CHAT_BODY, False),
+        "completions-4-prompts": ("/v1/completions", PROMPTS_4, True),
+        "generate-batch-3": ("/generate", {"text": ["a", "b", "c"]}, False),
+    },
+}
+FAKES: dict[str, Callable[[], KindEngine]] = {
+    "vllm": lambda: VLLMEngine(API_KEY), "sglang": lambda: SGLangEngine(API_KEY)}
+
+
+@dataclass
+class Case:
+    """One client of the matrix: its route, the instant and way it leaves, what it saw."""
+
+    route: str
+    instant: str
+    how: str
+    tag: str
+    delay: str = "0"  # a DELAYS key
+    sent_at: float = 0.0  # its last body byte went to the kernel
+    left_at: float | None = None
+
+    @property
+    def label(self) -> str:
+        return f"{self.delay}/{self.route}/{self.instant}/{self.how}"
+
+
+@dataclass
+class Deployment:
+    """A fake engine of one kind, the sidecar in front of it and its abort settings."""
+
+    kind: str
+    fake: KindEngine
+    port: int
+    window_s: float
+    max_interval_s: float
+    stalls: Stalls
+    by_tag: dict[str, Work] = field(default_factory=dict)
+
+    def work(self, tag: str) -> Work | None:
+        if tag not in self.by_tag:
+            for w in self.fake.works[len(self.by_tag):]:
+                if isinstance(w.body, dict) and isinstance(w.body.get("tag"), str):
+                    self.by_tag[w.body["tag"]] = w
+        return self.by_tag.get(tag)
+
+    async def until(self, predicate: Callable[[], bool], what: str,
+                    within_s: float = 10.0) -> None:
+        await self.stalls.wait(self.fake.watch.until(predicate, FOREVER), what, within_s)
+
+    async def arrived(self, tag: str) -> Work:
+        """Wait for the engine to have the whole body of request ``tag``."""
+        await self.until(lambda: self.work(tag) is not None, f"the engine to get {tag} whole")
+        work = self.work(tag)
+        assert work is not None
+        return work
+
+
+@asynccontextmanager
+async def deploy(kind: str, stalls: Stalls, tmp_path: Path,
+                 abort: dict[str, Any] | None = None) -> AsyncIterator[Deployment]:
+    """The fake engine of ``kind`` and the real ``python -m sidecar`` in front of it (its own
+    process: its relay timing is not this loop's, which runs the clients and the engine)."""
+    fake = FAKES[kind]()
+    await fake.start()
+    try:
+        engine = {"kind": kind, "url": fake.url,
+                  "abort": {"api_key": API_KEY, "timeout_s": 2.0, **(abort or {})}}
+        tree = config_tree(fake.url, api_key=API_KEY, engines={"local": engine},
+                           log_level="WARNING")
+        settings = parse_config(yaml.safe_dump(tree), "<test>", env={})
+        aborts = settings.engines["local"].abort
+        async with cli_process(tmp_path, tree) as cli:
+            yield Deployment(kind, fake, cli.proxy_port, aborts.resend_window_s,
+                             aborts.resend_max_interval_s, stalls)
+    finally:
+        await fake.stop()
+
+
+def query(delay_s: float, multi: bool, gen: str = GEN) -> str:
+    stagger = f"&register_stagger={STAGGER_S}" if multi and delay_s > 0 else ""
+    return f"?{gen}&register_delay={delay_s}{stagger}"
+
+
+async def run_victim(d: Deployment, case: Case, delay_s: float) -> None:
+    """Send the request whole, leave at ``case.instant`` by ``case.how``."""
+    path, body, stream = ROUTES[d.kind][case.route]
+    multi = len(d.fake.derive(path, {"X-Request-Id": "x"}, dict(body))[1]) > 1
+    async with raw_client(d.port, d.stalls) as c:
+        c.send("POST", path + query(delay_s, multi),
+               request_body({**body, "tag": case.tag}, stream), [("X-Request-Id", case.tag)])
+        case.sent_at = time.monotonic()
+        instant = INSTANTS[case.instant]
+        if isinstance(instant, float):
+            if instant:
+                await asyncio.sleep(instant)  # the instant under test, not a synchronisation
+        else:
+            work = await d.arrived(case.tag)  # "body": leave at once
+            if instant == "before":
+                margin = min(MARGIN_S, delay_s / 2)
+                await asyncio.sleep(max(0.0, work.started + delay_s - margin - time.monotonic()))
+            elif instant == "after":
+                await d.until(work.known.is_set, f"{case.tag}'s ids to be registered")
+        case.left_at = c.disconnect(case.how)
+        if case.how == "half":  # we still read: the sidecar must close the connection
+            await d.stalls.wait(c.reader.read(), f"{case.tag}: the sidecar to close after EOF")
+
+
+async def run_bystander(d: Deployment, route: str, delay_s: float, tag: str) -> str:
+    """A request on ``route`` read to its end through the sidecar (aiohttp)."""
+    path, body, stream = ROUTES[d.kind][route]
+    multi = len(d.fake.derive(path, {"X-Request-Id": "x"}, dict(body))[1]) > 1
+    async with aiohttp.ClientSession() as s, s.post(
+            f"http://127.0.0.1:{d.port}{path}{query(delay_s, multi, BYSTANDER_GEN)}",
+            json={**body, "stream": stream, "tag": tag}) as r:
+        text = await r.text()
+        assert r.status == 200, f"bystander {tag}: expected 200, got {r.status}: {text[:200]}"
+        return text
+
+
+def calls_naming(fake: KindEngine, engine_id: str) -> list[float]:
+    return [c.at for c in fake.calls if engine_id in c.ids]
+
+
+def _call_times(fake: KindEngine, work: Work) -> dict[str, list[str]]:
+    """Engine id -> when calls named it, after the engine had the body."""
+    return {i: [ms(t - work.started) for t in calls_naming(fake, i)] for i in work.engine_ids}
+
+
+def judge(d: Deployment, case: Case) -> tuple[str | None, dict[str, Any]]:
+    """(what is wrong with ``case``, or None; figures for the summary)."""
+    work = d.work(case.tag)
+    figures: dict[str, Any] = {"delivered": work is not None}
+    if work is None:
+        head = next((h for h in d.fake.heads
+                     if h.headers.get("X-Client-Request-Id") == case.tag), None)
+        if case.instant in MAY_MISS_THE_ENGINE:
+            return None, figures
+        return (f"{case.label}: expected the engine to get the whole body (the client left "
+                f"{case.instant} after it); it never did (head seen: {head is not None})",
+                figures)
+    assert case.left_at is not None
+    window_end = work.started + d.window_s
+    problems: list[str] = []
+    ran = sorted(work.ran_to_end)
+    if ran or work.stopped_at is None:
+        problems.append(
+            f"expected every engine id stopped before its end; ran to its end: {ran}, "
+            f"stopped_at={work.stopped_at}; registered "
+            f"{ {i: ms(t - work.started) for i, t in work.registered.items()} } after the body, "
+            f"client left {ms(case.left_at - work.started)} after the engine had the body; "
+            f"aborts before registration (ignored) "
+            f"{ {i: [ms(t - work.started) for t in ts] for i, ts in work.ignored.items()} }; "
+            f"calls naming its ids at {_call_times(d.fake, work)}")
+    bound = max_calls(case.left_at, window_end, d.max_interval_s)
+    late_allowed = window_end + GUARD_S
+    most = 0
+    for engine_id in work.engine_ids:
+        times = calls_naming(d.fake, engine_id)
+        most = max(most, len(times))
+        if not times:
+            problems.append(f"expected at least one abort call naming {engine_id}, got none")
+        if len(times) > bound:
+            problems.append(f"expected at most {bound} calls naming {engine_id} (the documented "
+                            f"re-send schedule), got {len(times)}")
+        late = [t for t in times if t > late_allowed + d.stalls.within(window_end, t)]
+        if late:
+            problems.append(f"expected no call naming {engine_id} after the window's end + "
+                            f"{GUARD_S} s; got calls {[ms(t - window_end) for t in late]} after "
+                            f"the window's end")
+    figures.update(calls=most, first_ignored=any(work.ignored.values()),
+                   left_after_body_ms=(case.left_at - work.started) * 1000)
+    if problems:
+        return f"{case.label} ({work.engine_ids}): " + "; ".join(problems), figures
+    return None, figures
+
+
+@pytest.mark.parametrize("window", list(WINDOWS))
+@pytest.mark.parametrize("kind", sorted(ROUTES))
+async def test_no_engine_id_outlives_its_client(kind: str, window: str, stalls: Stalls,
+                                                tmp_path: Path) -> None:
+    abort, delays = WINDOWS[window]
+    async with deploy(kind, stalls, tmp_path, abort) as d:
+        await matrix(d, delays)
+
+
+async def matrix(d: Deployment, delays: list[str]) -> None:
+    """Every case of every delay in ``delays``, launched interleaved ``LAUNCH_STEP_S`` apart,
+    with a bystander per route and delay; then the checks of the module docstring."""
+    stalls, kind = d.stalls, d.kind
+    assert all(d.window_s > DELAYS[delay] + 0.2 for delay in delays), (
+        f"the window ({d.window_s} s) must cover every delay {delays} with room to spare")
+    cases = [Case(route, instant, how, f"{kind}-{delay}-{route}-{instant}-{how}", delay)
+             for delay in delays for route in ROUTES[kind] for instant in INSTANTS
+             for how in HOWS if DELAYS[delay] > 0 or instant != "before_registration"]
+    random.Random(len(cases)).shuffle(cases)  # the delays and routes interleaved
+    started = time.monotonic()
+    bystanders = {(delay, route): asyncio.ensure_future(run_bystander(
+        d, route, DELAYS[delay], f"bystander-{delay}-{route}"))
+        for delay in delays for route in ROUTES[kind]}
+
+    async def launch(k: int, case: Case) -> None:
+        await asyncio.sleep(k * LAUNCH_STEP_S)  # spread the connects (not a synchronisation)
+        await run_victim(d, case, DELAYS[case.delay])
+
+    await stalls.wait(asyncio.gather(*(launch(k, c) for k, c in enumerate(cases))),
+                      f"all {len(cases)} clients to send and leave", 60.0)
+    texts = {key: await stalls.wait(t, f"the bystander {key}") for key, t in bystanders.items()}
+
+    delivered = [w for c in cases if (w := d.work(c.tag)) is not None]
+    longest = max(DELAYS[delay] for delay in delays)
+    await d.until(lambda: all(not w.running for w in delivered),
+                  "every delivered request to stop or run to its end", longest + 10.0)
+    # The re-sends must stop: wait out every window + the guard (an event-or-timeout wait for a
+    # late call), then one round trip through the sidecar.
+    last_end = max((w.started + d.window_s for w in delivered), default=time.monotonic())
+
+    def late_call() -> bool:
+        return any(c.at > last_end + GUARD_S for c in d.fake.calls)
+
+    await d.fake.watch.until(late_call, max(0.0, last_end + GUARD_S - time.monotonic()) + 0.2)
+    await settle(d.port)
+    took = time.monotonic() - started
+
+    problems: list[str] = []
+    figures: dict[str, dict[str, Any]] = {}
+    wrong: set[str] = set()
+    for case in cases:
+        problem, figures[case.tag] = judge(d, case)
+        if problem:
+            problems.append(problem)
+            wrong.add(case.tag)
+    named = Counter(i for c in d.fake.calls for i in c.ids)
+    for (delay, route), text in texts.items():
+        name = f"bystander {delay} {route}"
+        work = d.work(f"bystander-{delay}-{route}")
+        assert work is not None, f"{name}: the engine never got it"
+        if not (work.finished and not work.aborted
+                and sorted(work.ran_to_end) == sorted(work.engine_ids)):
+            problems.append(f"{name}: expected it to run to its end untouched, got "
+                            f"finished={work.finished} aborted={work.aborted}")
+        if hit := {i: named[i] for i in work.engine_ids if named[i]}:
+            problems.append(f"{name} completed, yet its ids were named: {hit}")
+        if ROUTES[kind][route][2] and not text.endswith("data: [DONE]\n\n"):
+            problems.append(f"{name}: expected its whole stream, got {text[-120:]!r}")
+    print(f"\n[{kind} window {d.window_s} s] {len(cases)} clients, {len(d.fake.calls)} abort "
+          f"calls, {took:.1f} s{stalls.note(started, time.monotonic())}")
+    for delay in delays:
+        group = [c for c in cases if c.delay == delay]
+        seen = [figures[c.tag] for c in group]
+        works = [w for c in group if (w := d.work(c.tag)) is not None]
+        missed = Counter(c.instant for c in group if not figures[c.tag]["delivered"])
+        print(f"  delay {delay}: {len(group)} clients, {len(works)} delivered whole (left "
+              f"before the engine had the body, by instant: {dict(missed)}), "
+              f"{sum(1 for f in seen if f.get('first_ignored'))} with an abort ignored before "
+              f"registration, at most {max((f.get('calls', 0) for f in seen), default=0)} calls "
+              f"naming one id; {sum(len(w.ran_to_end) for w in works)} engine id(s) ran to "
+              f"their end, {sum(1 for c in group if c.tag in wrong)} "
+              f"client(s) wrong")
+    assert not problems, (f"{len(problems)} of {len(cases)} clients (+{len(texts)} bystanders) "
+                          f"wrong:\n" + "\n".join(problems[:40]))
+
+
+@pytest.mark.parametrize("kind", sorted(ROUTES))
+async def test_after_the_window_one_call(kind: str, stalls: Stalls, tmp_path: Path) -> None:
+    """``resend_window_s`` 0.3: a request registered at once whose client leaves 0.6 s after
+    the engine had its body (after the window) gets exactly one call per id, on every route,
+    every way; the work stops."""
+    async with deploy(kind, stalls, tmp_path, {"resend_window_s": 0.3}) as d:
+        await one_call_after_the_window(d, kind)
+
+
+async def one_call_after_the_window(d: Deployment, kind: str) -> None:
+    stalls = d.stalls
+    cases = [Case(route, "0.6s", how, f"{kind}-late-{route}-{how}")
+             for route in ROUTES[kind] for how in HOWS]
+
+    async def leave_late(case: Case) -> None:
+        path, body, stream = ROUTES[kind][case.route]
+        async with raw_client(d.port, stalls) as c:
+            c.send("POST", path + f"?{GEN}", request_body({**body, "tag": case.tag}, stream))
+            case.sent_at = time.monotonic()
+            work = await d.arrived(case.tag)
+            await asyncio.sleep(max(0.0, work.started + 0.6 - time.monotonic()))  # the instant
+            case.left_at = c.disconnect(case.how)
+            if case.how == "half":
+                await stalls.wait(c.reader.read(), f"{case.tag}: the sidecar to close")
+
+    await stalls.wait(asyncio.gather(*(leave_late(c) for c in cases)), "the clients", 20.0)
+    works = [d.work(c.tag) for c in cases]
+    await d.until(lambda: all(w is not None and w.stopped_at is not None for w in works),
+                  "every request to stop")
+    ids = [i for w in works if w is not None for i in w.engine_ids]
+
+    def more_calls() -> bool:
+        return any(n > 1 for n in Counter(i for c in d.fake.calls for i in c.ids).values())
+
+    await d.fake.watch.until(more_calls, 0.5)  # a re-send would be due within 5 ms
+    await settle(d.port)
+    named = Counter(i for c in d.fake.calls for i in c.ids)
+    wrong = {i: named[i] for i in ids if named[i] != 1}
+    assert not wrong, f"expected exactly one call naming each id after the window, got {wrong}"
+    ran = [w.ran_to_end for w in works if w is not None and w.ran_to_end]
+    assert not ran, f"expected no id to run to its end, got {ran}"
