@@ -9,9 +9,11 @@ until every id is aborted or it reaches its last token, so "nothing ran to its e
 engine's observation, never the sidecar's word (no log or metric is read here).
 
 Matrix (``test_no_engine_id_outlives_its_client``, one test per engine kind and abort window;
-every case of a test runs against one real ``python -m sidecar`` subprocess, the production
-entrypoint, in a process of its own so its relay timing is not this loop's, the clients launched
-``LAUNCH_STEP_S`` apart with the delays and routes interleaved):
+the sidecar is :func:`sidecar.server.start`, the production wiring the CLI runs, in this process
+(``start_sidecar``), so its clock and the engine's advance together when this loaded machine
+deschedules the process (a sidecar process of its own may send a body seconds before the starved
+engine loop reads it); one delay at a time, its clients launched ``LAUNCH_STEP_S`` apart with the
+routes and instants interleaved):
 
 ============  ================================================================================
 kinds         ``vllm``, ``sglang``
@@ -27,7 +29,8 @@ instants      after the client's last body byte: 0 (the same loop step), 1 ms, 1
               ``before_registration`` (``MARGIN_S``, at most half the delay, before the first id
               is registered) and ``after_registration`` (right after the last id is)
 ways          ``rst`` (SO_LINGER 0), ``fin`` (close), ``half`` (shutdown(SHUT_WR), then read until
-              the sidecar closes)
+              the sidecar closes): all three for vLLM; for SGLang (one abort call per id, ~15 per
+              id in a window) one per route and instant, rotating over the delays
 ============  ================================================================================
 
 Per case: if the engine got the whole body, every engine id of the request is stopped (aborted
@@ -43,8 +46,9 @@ byte) needs no abort; such cases are allowed at the client-timed instants only, 
 the printed summary (run with ``-s``), with the number of cases whose first abort the engine
 ignored because it came before the registration (the race this module is about).
 
-``test_after_the_window_one_call`` proves the other side of the bound: a request that ends
-after its window (``resend_window_s`` 0.3) gets exactly one call per id.
+``test_after_the_window_one_call`` proves the other side of the bound, through the real
+``python -m sidecar``: a request that ends after its window (``resend_window_s`` 0.3) gets
+exactly one call per id.
 """
 
 from __future__ import annotations
