@@ -67,13 +67,15 @@ ABORT_POOL = MAX_CALLS_PER_ENGINE
 TASK_TOLERANCE = 0  # asyncio tasks: back to the baseline exactly
 PHASES = ("body", "after_body", "registering", "queued", "first_byte", "mid_stream",
           "after_last", "complete")
+# A cut request generates for 4 s or more once registered: far longer than an abort takes even
+# on a loaded machine, so an id that runs to its end was missed, not merely raced.
 QUERIES = {
     "body": "tokens=5&interval=0.01",
-    "after_body": "tokens=50&interval=0.02",
-    "registering": "tokens=50&interval=0.02",
+    "after_body": "tokens=200&interval=0.02",
+    "registering": "tokens=200&interval=0.02",
     "queued": "first_byte_delay=5&tokens=5",
-    "first_byte": "tokens=50&interval=0.02",
-    "mid_stream": "tokens=40&interval=0.02",
+    "first_byte": "tokens=200&interval=0.02",
+    "mid_stream": "tokens=200&interval=0.02",
     "after_last": "tokens=5&interval=0.01",
     "complete": "tokens=5&interval=0.01",
 }
@@ -233,6 +235,29 @@ async def run(port: int, index: EngineIndex, plan: list[tuple[str, str, str]]
     return outcomes
 
 
+def abort_counts(values: dict[tuple[str, frozenset[tuple[str, str]]], float]
+                 ) -> tuple[float, float]:
+    """(accepted abort calls, requests whose abort was accepted) on the sidecar's /metrics."""
+    return (sample(values, "cancel_sidecar_abort_calls_total", engine="local",
+                   outcome="accepted"),
+            sample(values, "cancel_sidecar_aborted_requests_total", engine="local",
+                   outcome="accepted"))
+
+
+async def counted(sidecar: SidecarProcess, engine: VLLMEngine
+                  ) -> dict[tuple[str, frozenset[tuple[str, str]]], float]:
+    """/metrics once the sidecar has counted every call the engine answered (it counts on the
+    answer, which may still be on its way): polled (no event crosses the process boundary),
+    for at most ``GUARD_S``; the last reading."""
+    deadline = time.monotonic() + GUARD_S
+    while True:
+        values = await metrics(sidecar.admin_port)
+        want = (len(engine.calls), len({i for c in engine.calls for i in c.ids}))
+        if abort_counts(values) == want or time.monotonic() > deadline:
+            return values
+        await asyncio.sleep(0.1)
+
+
 def check(o: Outcome, work: Work | None, named: Counter[str], calls: dict[str, list[float]]
           ) -> tuple[str | None, str]:
     """(what is wrong with request ``o``, or None; its kind: ``cut``, ``raced``, ``completed``,
@@ -300,7 +325,7 @@ async def soak(engine: VLLMEngine, tmp_path: Path) -> None:
         # says "no more calls"), then read the counters.
         last = max((w.started for w in engine.works), default=time.monotonic())
         await asyncio.sleep(max(0.0, last + ABORT.resend_window_s + 1.0 - time.monotonic()))
-        values = await metrics(sidecar.admin_port)
+        values = await counted(sidecar, engine)
         after = await settled(sidecar, port, before)
         # No event tells when a pooled connection expires: give the proxy pool's timer time.
         await asyncio.sleep(3 * KEEPALIVE_S)
@@ -323,9 +348,7 @@ async def soak(engine: VLLMEngine, tmp_path: Path) -> None:
     latency = sorted(first[w.engine_ids[0]] - o.left_at for o in outcomes
                      if o.left_at is not None and (w := index.works.get(o.tag)) is not None
                      and w.engine_ids[0] in first) or [0.0]
-    calls = sample(values, "cancel_sidecar_abort_calls_total", engine="local", outcome="accepted")
-    aborted = sample(values, "cancel_sidecar_aborted_requests_total", engine="local",
-                     outcome="accepted")
+    calls, aborted = abort_counts(values)
     growth = (after.rss - warm.rss) / warm.rss
     print(f"\n[soak] N={N}, concurrency {CONCURRENCY}, seed {SEED}: {took:.1f} s "
           f"({N / took:.0f} req/s); phases {dict(phases)}\n"
