@@ -157,6 +157,7 @@ class Deployment:
     window_s: float
     max_interval_s: float
     stalls: Stalls
+    admin: int = 0  # the admin listener's port (the cancel API)
     by_tag: dict[str, Work] = field(default_factory=dict)
 
     def work(self, tag: str) -> Work | None:
@@ -202,12 +203,12 @@ async def deploy(kind: str, stalls: Stalls, abort: dict[str, Any] | None = None,
         if start_sidecar is not None:
             servers: Servers = await start_sidecar(settings)
             yield Deployment(kind, fake, servers.proxy_port, aborts.resend_window_s,
-                             aborts.resend_max_interval_s, stalls)
+                             aborts.resend_max_interval_s, stalls, servers.admin_port or 0)
         else:
             assert tmp_path is not None
             async with cli_process(tmp_path, tree) as cli:
                 yield Deployment(kind, fake, cli.proxy_port, aborts.resend_window_s,
-                                 aborts.resend_max_interval_s, stalls)
+                                 aborts.resend_max_interval_s, stalls, cli.admin_port)
     finally:
         await fake.stop()
 
@@ -447,3 +448,61 @@ async def one_call_after_the_window(d: Deployment, kind: str) -> None:
     assert not wrong, f"expected exactly one call naming each id after the window, got {wrong}"
     ran = [w.ran_to_end for w in works if w is not None and w.ran_to_end]
     assert not ran, f"expected no id to run to its end, got {ran}"
+
+
+ENDINGS = {"cancel_api": 499, "deadline": 504}  # the client's status when its request ends early
+
+
+@pytest.mark.parametrize("kind", sorted(ROUTES))
+async def test_cancel_api_and_deadline_inside_the_registration(
+        kind: str, stalls: Stalls, start_sidecar: Callable[..., Any]) -> None:
+    """The client stays connected; its request ends early while the engine (300 ms delay) is
+    still registering its ids: by the cancel API the moment the engine has the whole body, or
+    by its ``X-Sidecar-Deadline-S`` of 0.05 s. The same guarantee as after a disconnect: the
+    client gets its 499/504, every id is stopped, none runs to its end, the calls stay within
+    the bound and the window."""
+    delay_s = 0.3
+    async with deploy(kind, stalls, start_sidecar=start_sidecar) as d:
+        cases = [Case(route, ending, "stay", f"{kind}-{ending}-{route}", "300ms")
+                 for route in ROUTES[kind] for ending in ENDINGS]
+
+        async def end_early(case: Case) -> None:
+            path, body, stream = ROUTES[kind][case.route]
+            multi = len(d.fake.derive(path, {"X-Request-Id": "x"}, dict(body))[1]) > 1
+            headers = [("X-Request-Id", case.tag)]
+            if case.instant == "deadline":
+                headers.append(("X-Sidecar-Deadline-S", "0.05"))
+            async with raw_client(d.port, stalls) as c:
+                c.send("POST", path + query(delay_s, multi),
+                       request_body({**body, "tag": case.tag}, stream), headers)
+                case.sent_at = case.left_at = time.monotonic()  # the deadline: no earlier
+                if case.instant == "cancel_api":
+                    work = await d.arrived(case.tag)
+                    sidecar_id = work.request_id_header if kind == "vllm" else work.tag
+                    case.left_at = time.monotonic()
+                    async with aiohttp.ClientSession() as s, s.post(
+                            f"http://127.0.0.1:{d.admin}/v1/requests/{sidecar_id}/cancel") as r:
+                        answer = await r.json()
+                    assert r.status == 200 and answer.get("cancelled") is True, (
+                        f"{case.tag}: expected the cancel API to answer 200 cancelled, got "
+                        f"{r.status} {answer}")
+                status, _ = await c.head()
+                assert status == ENDINGS[case.instant], (
+                    f"{case.tag}: expected {ENDINGS[case.instant]}, got {status}")
+
+        await stalls.wait(asyncio.gather(*(end_early(c) for c in cases)), "the clients", 20.0)
+        works = [w for c in cases if (w := d.work(c.tag)) is not None]
+        assert len(works) == len(cases), (
+            f"expected the engine to get all {len(cases)} bodies, got {len(works)}")
+        await d.until(lambda: all(not w.running for w in works),
+                      "every request to stop or run to its end", 10.0)
+        last_end = max(w.started for w in works) + d.window_s
+        await d.fake.watch.until(lambda: any(c.at > last_end + GUARD_S for c in d.fake.calls),
+                                 max(0.0, last_end + GUARD_S - time.monotonic()) + 0.2)
+        await settle(d.port)
+        problems = [p for c in cases if (p := judge(d, c)[0])]
+        ignored = sum(1 for w in works if any(w.ignored.values()))
+        print(f"\n[{kind} cancel API / deadline, delay 300 ms] {len(cases)} requests, {ignored} "
+              f"with an abort ignored before registration, {len(d.fake.calls)} calls, "
+              f"{len(problems)} wrong")
+    assert not problems, f"{len(problems)} of {len(cases)} wrong:\n" + "\n".join(problems)
