@@ -165,6 +165,7 @@ class KindEngine:
         self.works: list[Work] = []
         self.pending: dict[str, Work] = {}  # engine id -> its work, until it is registered
         self.ignored: list[tuple[float, str]] = []  # (when, engine id): aborts before registration
+        self.abort_delay_s = 0.0  # seconds each abort call takes to be applied and answered
         self._ids_seen: set[str] = set()  # every engine id of every request that arrived
         self._too_early: dict[str, list[float]] = {}  # id -> aborts before its request arrived
         self.calls: list[AbortCall] = []
@@ -456,6 +457,8 @@ class VLLMEngine(KindEngine):
         body = json.loads(await request.read())
         ids = [str(i) for i in body.get("request_ids", [])]
         call = self._record_call(request, body, ids, 200 if self.scale_out else 403)
+        if self.abort_delay_s:  # a slow endpoint: recorded on arrival, applied and answered late
+            await asyncio.sleep(self.abort_delay_s)
         if call.status == 200:
             call.ignored = self.abort_ids(ids)  # in the background in vLLM; unknown ids ignored
         return web.Response(status=call.status)
@@ -484,6 +487,8 @@ class SGLangEngine(KindEngine):
         body = json.loads(await request.read())
         rid = str(body.get("rid") or "")
         call = self._record_call(request, body, [rid], 200)
+        if self.abort_delay_s:  # a slow endpoint: recorded on arrival, applied and answered late
+            await asyncio.sleep(self.abort_delay_s)
         if call.status == 200:
             if body.get("abort_all"):
                 self.abort_ids(list(self.live))

@@ -48,7 +48,11 @@ ignored because it came before the registration (the race this module is about).
 
 ``test_after_the_window_one_call`` proves the other side of the bound, through the real
 ``python -m sidecar``: a request that ends after its window (``resend_window_s`` 0.3) gets
-exactly one call per id.
+exactly one call per id. ``test_cancel_api_and_deadline_inside_the_registration``: the same
+guarantee when the cancel API or a deadline ends the request while the engine registers it.
+``test_resends_never_hold_back_a_first_abort``: with a slow abort endpoint (50 ms a call) and a
+crowd's re-sends under way, a newly cut request's first abort still reaches the engine within
+``FIRST_ABORT_S`` and it is stopped ("the abort leaves first", issue 11).
 """
 
 from __future__ import annotations
@@ -65,6 +69,7 @@ from typing import Any
 
 import aiohttp
 import pytest
+import pytest_asyncio
 import yaml
 
 from sidecar.config import parse_config
@@ -88,6 +93,7 @@ GEN = "tokens=200&interval=0.02"  # 4 s after registration: a missed abort shows
 BYSTANDER_GEN = "tokens=10&interval=0.01"
 STAGGER_S = 0.005  # between successive ids' registration of a multi-id request (delay > 0)
 MARGIN_S = 0.05  # ``before_registration``: this long (at most half the delay) before it
+FIRST_ABORT_S = 2.0  # test_resends_never_hold_back_a_first_abort: the late request's first call
 GUARD_S = 1.0  # lag allowed after the window's end (this loop runs sidecar, engine and clients)
 
 DELAYS = {"0": 0.0, "2ms": 0.002, "20ms": 0.02, "300ms": 0.3, "2s": 2.0}
@@ -179,9 +185,20 @@ class Deployment:
         return work
 
 
+@pytest_asyncio.fixture
+async def fakes() -> AsyncIterator[list[KindEngine]]:
+    """Fake engines to stop at teardown. Requested before ``start_sidecar``, so they stop after
+    the in-process sidecar: its re-sends still due never meet a closed engine port."""
+    started: list[KindEngine] = []
+    yield started
+    for fake in started:
+        await fake.stop()
+
+
 @asynccontextmanager
 async def deploy(kind: str, stalls: Stalls, abort: dict[str, Any] | None = None, *,
                  start_sidecar: Callable[..., Any] | None = None,
+                 fakes: list[KindEngine] | None = None,
                  tmp_path: Path | None = None) -> AsyncIterator[Deployment]:
     """The fake engine of ``kind`` and the sidecar in front of it: :func:`sidecar.server.start`
     in this process (``start_sidecar``), or the real ``python -m sidecar`` (``tmp_path``).
@@ -193,6 +210,8 @@ async def deploy(kind: str, stalls: Stalls, abort: dict[str, Any] | None = None,
     from its send."""
     fake = FAKES[kind]()
     await fake.start()
+    if fakes is not None:
+        fakes.append(fake)  # stopped by the fixture, after the sidecar
     try:
         engine = {"kind": kind, "url": fake.url,
                   "abort": {"api_key": API_KEY, "timeout_s": 2.0, **(abort or {})}}
@@ -210,7 +229,8 @@ async def deploy(kind: str, stalls: Stalls, abort: dict[str, Any] | None = None,
                 yield Deployment(kind, fake, cli.proxy_port, aborts.resend_window_s,
                                  aborts.resend_max_interval_s, stalls, cli.admin_port)
     finally:
-        await fake.stop()
+        if fakes is None:
+            await fake.stop()
 
 
 def query(delay_s: float, multi: bool, gen: str = GEN) -> str:
@@ -314,9 +334,10 @@ def judge(d: Deployment, case: Case) -> tuple[str | None, dict[str, Any]]:
 @pytest.mark.parametrize("window", list(WINDOWS))
 @pytest.mark.parametrize("kind", sorted(ROUTES))
 async def test_no_engine_id_outlives_its_client(kind: str, window: str, stalls: Stalls,
+                                                fakes: list[KindEngine],
                                                 start_sidecar: Callable[..., Any]) -> None:
     abort, delays = WINDOWS[window]
-    async with deploy(kind, stalls, abort, start_sidecar=start_sidecar) as d:
+    async with deploy(kind, stalls, abort, start_sidecar=start_sidecar, fakes=fakes) as d:
         assert all(d.window_s > DELAYS[delay] + 0.2 for delay in delays), (
             f"the window ({d.window_s} s) must cover every delay {delays} with room to spare")
         problems = [p for delay in delays for p in await group(d, delay)]
@@ -455,14 +476,15 @@ ENDINGS = {"cancel_api": 499, "deadline": 504}  # the client's status when its r
 
 @pytest.mark.parametrize("kind", sorted(ROUTES))
 async def test_cancel_api_and_deadline_inside_the_registration(
-        kind: str, stalls: Stalls, start_sidecar: Callable[..., Any]) -> None:
+        kind: str, stalls: Stalls, fakes: list[KindEngine],
+        start_sidecar: Callable[..., Any]) -> None:
     """The client stays connected; its request ends early while the engine (300 ms delay) is
     still registering its ids: by the cancel API the moment the engine has the whole body, or
     by its ``X-Sidecar-Deadline-S`` of 0.05 s. The same guarantee as after a disconnect: the
     client gets its 499/504, every id is stopped, none runs to its end, the calls stay within
     the bound and the window."""
     delay_s = 0.3
-    async with deploy(kind, stalls, start_sidecar=start_sidecar) as d:
+    async with deploy(kind, stalls, start_sidecar=start_sidecar, fakes=fakes) as d:
         cases = [Case(route, ending, "stay", f"{kind}-{ending}-{route}", "300ms")
                  for route in ROUTES[kind] for ending in ENDINGS]
 
@@ -506,3 +528,44 @@ async def test_cancel_api_and_deadline_inside_the_registration(
               f"with an abort ignored before registration, {len(d.fake.calls)} calls, "
               f"{len(problems)} wrong")
     assert not problems, f"{len(problems)} of {len(cases)} wrong:\n" + "\n".join(problems)
+
+
+@pytest.mark.parametrize("kind", sorted(ROUTES))
+async def test_resends_never_hold_back_a_first_abort(
+        kind: str, stalls: Stalls, fakes: list[KindEngine],
+        start_sidecar: Callable[..., Any]) -> None:
+    """The abort leaves first (issue 11): the engine's abort endpoint takes 50 ms a call; 60
+    batch requests (3 ids each) disconnect at once, so their re-sends keep the endpoint busy for
+    the whole window; 0.5 s later one more request, registered at once, disconnects. Its first
+    abort must reach the engine within ``FIRST_ABORT_S`` (the crowd's own first calls, 180 ids
+    at one call per id for SGLang through 8 slots, take ~1.1 s; re-sends of requests that
+    were already named once must not go before a request never named yet) and it must not run
+    to its end."""
+    async with deploy(kind, stalls, start_sidecar=start_sidecar, fakes=fakes) as d:
+        d.fake.abort_delay_s = 0.05
+        path, body, stream = ROUTES[kind]["chat-batch-3" if kind == "vllm" else
+                                          "generate-batch-3"]
+
+        async def leave(tag: str) -> tuple[Work, float]:
+            async with raw_client(d.port, stalls) as c:
+                c.send("POST", f"{path}?{GEN}", request_body({**body, "tag": tag}, stream),
+                       [("X-Request-Id", tag)])
+                work = await d.arrived(tag)
+                return work, c.disconnect("rst")
+
+        crowd = await stalls.wait(asyncio.gather(*(leave(f"crowd-{k}") for k in range(60))),
+                                  "the crowd to send and leave")
+        await asyncio.sleep(0.5)  # the crowd's re-sends are under way (the instant under test)
+        late, left = await stalls.wait(leave("late"), "the late request to send and leave")
+        await d.until(lambda: any(set(late.engine_ids) & set(c.ids) for c in d.fake.calls),
+                      "an abort call naming the late request", 30.0)
+        first = min(c.at for c in d.fake.calls if set(late.engine_ids) & set(c.ids))
+        await d.until(lambda: not late.running and all(not w.running for w, _ in crowd),
+                      "every request to stop or run to its end")
+        calls = len(d.fake.calls)
+    took = stalls.check("the late request's first abort call", left, first, FIRST_ABORT_S)
+    print(f"\n[{kind} slow abort endpoint] late request's first abort {ms(took)} after its "
+          f"client left; {calls} calls")
+    assert not late.ran_to_end and late.stopped_at is not None, (
+        f"expected the late request stopped before its end; ran to its end: "
+        f"{sorted(late.ran_to_end)}")
