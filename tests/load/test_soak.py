@@ -310,7 +310,10 @@ async def soak(engine: VLLMEngine, tmp_path: Path) -> None:
     plan = [(f"soak-{k}", rng.choice(PHASES), rng.choice(("rst", "fin"))) for k in range(N)]
     index = EngineIndex(engine)
     port = int(engine.url.rsplit(":", 1)[1])
-    tree = config_tree(engine.url, upstream={"keepalive_timeout_s": KEEPALIVE_S})
+    # The default abort settings (config_tree's own turns re-sends off for first-call counting).
+    tree = config_tree(engine.url, upstream={"keepalive_timeout_s": KEEPALIVE_S}, engines={
+        "local": {"kind": "vllm", "url": engine.url,
+                  "abort": {"api_key": "cli-key", "timeout_s": 2.0}}})
     async with sidecar_process(tmp_path, tree) as sidecar:
         before = await levels(sidecar, port)
         started = time.monotonic()
