@@ -4,18 +4,38 @@ catch an adapter that disagrees with them. Used by ``tests/test_cancel_every_kin
 cancellation tests for every kind) and ``tests/test_fanout.py`` (a router in front of several).
 
 One scheduler model behind three front ends. A :class:`Work` is one client request as the engine
-holds it: the id it was told, the engine request ids its scheduler runs it under, and whether it
-ran to its end or was stopped early. An engine that can abort keeps generating for a request
-whose connection closed, as vLLM and SGLang do whenever their own disconnect check is broken
-(the case the sidecar exists for), until that request is aborted by id or ``LINGER_S`` passes;
-so a disconnect test passes only if the abort named the right ids. A close-only engine stops a
-request when its connection closes: that is its only way to stop.
+holds it: the id it was told, the engine request ids its scheduler runs it under, when each id
+became known, and whether each ran to its end or was stopped early. An engine that can abort
+keeps generating for a request whose connection closed, as vLLM and SGLang do whenever their own
+disconnect check is broken (the case the sidecar exists for), until that request is aborted by
+id, reaches its last token, or ``LINGER_S`` passes; so a disconnect test passes only if the
+abort named the right ids. A close-only engine stops a request when its connection closes: that
+is its only way to stop.
+
+Registration (``../shared/notes/cancellation-facts.md``). A real engine learns a request's ids
+only some time after it received the whole body: vLLM registers them in
+``AsyncLLM.add_request`` -> ``OutputProcessor.add_request`` after rendering the chat template,
+tokenizing and fetching media; SGLang's tokenizer manager makes a rid live only after
+tokenizing. An abort naming an id that is not registered yet is a no-op there (vLLM's
+``OutputProcessor.abort_requests`` pops an unknown id to nothing; SGLang drops a rid that is
+not live) and is answered 200 all the same; the request is then admitted and runs. The fakes do
+the same: ``registration_delay_s`` (constructor, default 0: registered at once, the behaviour
+every older test relies on) or the per-request query parameter ``register_delay`` (seconds from
+the whole body's arrival to the first id's registration) and ``register_stagger`` (seconds
+between successive ids of a multi-id request: vLLM adds a prompt list one prompt at a time). An
+abort naming a not-yet-registered id, or one whose request has not even arrived (an abort can
+overtake its request on another connection), is recorded (``Work.ignored``,
+``AbortCall.ignored``, ``KindEngine.ignored``) and changes nothing. A request starts generating
+(its response head, its first-byte delay and tokens) once all its ids are registered, whether or
+not its connection is still open; ``Work.ran_to_end`` says, per engine id, which ids reached
+their last token un-aborted.
 
 - :class:`VLLMEngine` (``../shared/notes/vllm-facts.md``, README "Request ids", checked against
   vLLM 0.32 in ``tests/e2e/VLLM_FACTS_CHECKED.md``): the id is the ``X-Request-Id`` header;
   ``/v1/chat/completions`` runs as ``chatcmpl-{id}``, ``/v1/completions`` as ``cmpl-{id}-{i}``
-  one per prompt (``-0`` for a single prompt), ``/inference/v1/generate`` as
-  ``generate-tokens-{id}``. ``POST /inference/v1/abort_requests {"request_ids": [...]}`` aborts
+  one per prompt (``-0`` for a single prompt), ``/v1/chat/completions/batch`` (``messages`` a
+  list of conversations) as ``chatcmpl-{id}_{i}`` one per conversation, ``/inference/v1/generate``
+  as ``generate-tokens-{id}``. ``POST /inference/v1/abort_requests {"request_ids": [...]}`` aborts
   exactly the named live ids, ignores unknown ones, answers 200; without ``--enable-scale-out``
   (``scale_out=False``) the route answers 403 to every call.
 - :class:`SGLangEngine` (``tests/sglang_facts.md``, SGLang 0.5.23): the id is the body's ``rid``
@@ -30,14 +50,17 @@ request when its connection closes: that is its only way to stop.
   recorded in ``unknown_paths``.
 
 Requests: POST on a generating path with a JSON object body (``"stream": true`` for SSE). Query
-parameters (the sidecar forwards them untouched): ``tokens`` (default 20) events ``interval``
-seconds apart (default 0.01), after ``first_byte_delay`` seconds queued (no response head yet).
-A positive integer ``max_tokens`` in the body caps ``tokens``, as every engine caps its output
-(llm-d's prefill legs ask for ``max_tokens: 1``). ``prefill_only=True`` makes the engine a
-disaggregated prefill server: every request ends after one token, whatever it asks (SGLang's
-``--disaggregation-mode prefill`` ends a request once its prefill is done and its KV handed to
-the decode server; llm-d's SGLang connector sends the prefill leg the client's body unchanged).
-``GET /v1/models`` (``hold`` seconds before answering) and ``GET /health`` answer on every kind.
+parameters (the sidecar forwards them untouched): ``register_delay`` and ``register_stagger``
+(above), then ``tokens`` (default 20) events ``interval`` seconds apart (default 0.01), after
+``first_byte_delay`` seconds queued (no response head yet). :func:`stream_bytes` is the exact
+SSE body of a stream that ran to its end. ``GET /v1/models`` (``hold`` seconds before answering)
+and ``GET /health`` answer on every kind. ``heads`` records every generating request whose head
+arrived, whether or not its body then arrived whole. A positive integer ``max_tokens`` in the
+body caps ``tokens``, as every engine caps its output (llm-d's prefill legs ask for ``max_tokens: 1``).
+``prefill_only=True`` makes the engine a disaggregated prefill server: every request ends after
+one token, whatever it asks (SGLang's ``--disaggregation-mode prefill`` ends a request once its
+prefill is done and its KV handed to the decode server; llm-d's SGLang connector sends the
+prefill leg the client's body unchanged).
 """
 
 from __future__ import annotations
@@ -55,15 +78,16 @@ from aiohttp import web
 from sidecar.readiness import PROBE_PREFIX
 from tests.fake_engine import Watch
 
-LINGER_S = 10.0  # how long an abortable engine goes on with a request whose connection closed
+LINGER_S = 10.0  # the longest an abortable engine goes on with a request whose connection closed
 
 
 @dataclass
 class Work:
     """One client request as the engine holds it (one or more engine request ids).
 
-    Times are ``time.monotonic()``; ``stopped_at`` is when the engine stopped working on it
-    before its end (every engine id aborted, or, on a close-only engine, the connection closed).
+    Times are ``time.monotonic()``; ``started`` is when the whole body had arrived;
+    ``stopped_at`` is when the engine stopped working on it before its end (every engine id
+    aborted, or, on a close-only engine, the connection closed).
     """
 
     path: str
@@ -71,16 +95,43 @@ class Work:
     tag: str | None  # the id the engine took for the request (None: one it picked itself)
     engine_ids: tuple[str, ...]
     started: float
+    body: Any = None  # the JSON body as the engine received it
+    length_s: float | None = None  # registration -> last token, seconds (None: not generated here)
+    tokens: int = 0  # its SSE token events in all, ``interval_s`` apart
+    interval_s: float = 0.0
+    registered: dict[str, float] = field(default_factory=dict)  # engine id -> when it became known
+    ignored: dict[str, list[float]] = field(default_factory=dict)  # engine id -> aborts naming it
+    #                                                                before it was registered
     aborted: dict[str, float] = field(default_factory=dict)  # engine id -> when aborted
+    ran_to_end: dict[str, float] = field(default_factory=dict)  # engine id -> when it reached its
+    #                                                   last token un-aborted (client or nobody)
     closed_at: float | None = None  # its connection went away before the response ended
     stopped_at: float | None = None
     finished: bool = False  # it ran to its end (for a client, or for nobody)
     events: int = 0  # SSE token events written to its connection
     stop: asyncio.Event = field(default_factory=asyncio.Event, repr=False)
+    known: asyncio.Event = field(default_factory=asyncio.Event, repr=False)  # all ids registered
 
     @property
     def running(self) -> bool:
         return not self.finished and self.stopped_at is None
+
+    @property
+    def registered_at(self) -> float | None:
+        """When its last id was registered (it then generates), or ``None`` before that."""
+        if len(self.registered) < len(self.engine_ids):
+            return None
+        return max(self.registered.values(), default=self.started)
+
+
+@dataclass
+class Head:
+    """A generating request whose head reached the engine; ``whole``: its body arrived too."""
+
+    path: str
+    headers: Mapping[str, str]
+    at: float
+    whole: bool = False
 
 
 @dataclass
@@ -100,6 +151,7 @@ class AbortCall:
     authorization: str | None
     status: int
     body: Any = None  # the call's JSON body
+    ignored: list[str] = field(default_factory=list)  # named ids not registered yet: no-ops
 
 
 class KindEngine:
@@ -110,10 +162,19 @@ class KindEngine:
     generating: ClassVar[tuple[str, ...]]
     aborts: ClassVar[bool] = True  # the engine keeps a closed request running until aborted
 
-    def __init__(self, api_key: str | None = None, *, prefill_only: bool = False) -> None:
+    def __init__(self, api_key: str | None = None, *, registration_delay_s: float = 0.0,
+                 prefill_only: bool = False) -> None:
         self.api_key = api_key  # the abort endpoint answers 401 without this bearer key
         self.prefill_only = prefill_only  # every request ends after one token (a P/D prefill)
+        # whole body -> ids known, seconds, unless a request's ``register_delay`` says otherwise
+        self.registration_delay_s = registration_delay_s
+        self.heads: list[Head] = []
         self.works: list[Work] = []
+        self.pending: dict[str, Work] = {}  # engine id -> its work, until it is registered
+        self.ignored: list[tuple[float, str]] = []  # (when, engine id): aborts before registration
+        self.abort_delay_s = 0.0  # seconds each abort call takes to be applied and answered
+        self._ids_seen: set[str] = set()  # every engine id of every request that arrived
+        self._too_early: dict[str, list[float]] = {}  # id -> aborts before its request arrived
         self.calls: list[AbortCall] = []
         self.probes: list[AbortCall] = []  # the sidecar's readiness probes, kept apart
         self.unknown_paths: list[str] = []
@@ -128,6 +189,7 @@ class KindEngine:
         self._add_abort_route()
         self.runner = web.AppRunner(self.app, handler_cancellation=True, access_log=None)
         self._tasks: set[asyncio.Task[None]] = set()
+        self._timers: list[asyncio.TimerHandle] = []  # registrations still due
         self.url = ""
 
     async def start(self) -> None:
@@ -137,6 +199,8 @@ class KindEngine:
 
     async def stop(self) -> None:
         await self.runner.cleanup()
+        for timer in self._timers:
+            timer.cancel()
         for task in self._tasks:
             task.cancel()
 
@@ -152,31 +216,84 @@ class KindEngine:
 
     # -- the scheduler ------------------------------------------------------------------------
 
-    def admit(self, path: str, headers: Mapping[str, str], body: dict[str, Any]) -> Work:
-        """Start running a request (as :meth:`generate` does, or a router that forwards one)."""
+    def admit(self, path: str, headers: Mapping[str, str], body: dict[str, Any], *,
+              delay_s: float | None = None, stagger_s: float = 0.0,
+              length_s: float | None = None) -> Work:
+        """Take a request whose whole body arrived (as :meth:`generate` does, or a router that
+        forwards one). Its ids are registered ``delay_s`` seconds later (default
+        ``registration_delay_s``; id ``i`` another ``i * stagger_s`` later), at once if both
+        are 0. ``length_s``: registration -> last token, for a request that goes on after its
+        connection closed (``None``: until aborted or ``LINGER_S``)."""
         tag, ids = self.derive(path, headers, body)
-        work = Work(path, headers.get("X-Request-Id"), tag, ids, time.monotonic())
+        work = Work(path, headers.get("X-Request-Id"), tag, ids, time.monotonic(), body, length_s)
         self.works.append(work)
-        self.live.update((i, work) for i in ids)
+        self._ids_seen.update(ids)
+        for i in ids:  # an abort that overtook the request itself was as much a no-op
+            if i in self._too_early:
+                work.ignored[i] = self._too_early.pop(i)
+        delay = self.registration_delay_s if delay_s is None else delay_s
+        if delay <= 0 and stagger_s <= 0:
+            self._register(work, ids)
+        else:
+            self.pending.update((i, work) for i in ids)
+            loop = asyncio.get_running_loop()
+            self._timers += [loop.call_later(delay + k * stagger_s, self._register, work, (i,))
+                             for k, i in enumerate(ids)]
         self.watch.changed()
         return work
 
-    def abort_ids(self, ids: list[str]) -> None:
-        """Abort the live engine requests named; a work stops once all its ids are aborted."""
+    def _register(self, work: Work, ids: tuple[str, ...]) -> None:
+        """``ids`` of ``work`` become known: abortable from now on. Once all are, it generates
+        (and, if its connection already closed, goes on for nobody: :meth:`_linger`)."""
         now = time.monotonic()
+        for i in ids:
+            self.pending.pop(i, None)
+            work.registered[i] = now
+            if work.running:
+                self.live[i] = work
+        if work.registered_at is not None and not work.known.is_set():
+            work.known.set()
+            if work.closed_at is not None and work.running and self.aborts:
+                self._start_linger(work)
+        self.watch.changed()
+
+    def abort_ids(self, ids: list[str]) -> list[str]:
+        """Abort the live engine requests named; a work stops once all its ids are aborted. An
+        id not registered yet is ignored and recorded; other unknown ids are ignored. Returns
+        the ignored not-yet-registered ids."""
+        now = time.monotonic()
+        early: list[str] = []
         for engine_id in ids:
             work = self.live.pop(engine_id, None)
             if work is None:
+                early += self._ignore(engine_id, now)
                 continue
             work.aborted[engine_id] = now
             if not any(self.live.get(i) is work for i in work.engine_ids):
                 work.stopped_at = now
                 work.stop.set()
         self.watch.changed()
+        return early
+
+    def _ignore(self, engine_id: str, now: float) -> list[str]:
+        """An abort named ``engine_id`` while it was not live: recorded if it is still to be
+        registered, or its request has not even arrived (the no-op a real engine makes of it;
+        the latter is put on the request's ``Work.ignored`` when it arrives)."""
+        work = self.pending.get(engine_id)
+        if work is not None:
+            work.ignored.setdefault(engine_id, []).append(now)
+        elif engine_id not in self._ids_seen and not engine_id.startswith(PROBE_PREFIX):
+            self._too_early.setdefault(engine_id, []).append(now)
+        else:
+            return []
+        self.ignored.append((now, engine_id))
+        return [engine_id]
 
     def _end(self, work: Work) -> None:
         if work.running:
             work.finished = True
+            now = time.monotonic()
+            work.ran_to_end.update((i, now) for i in work.engine_ids if self.live.get(i) is work)
         for i in work.engine_ids:
             if self.live.get(i) is work:
                 del self.live[i]
@@ -189,15 +306,27 @@ class KindEngine:
             work.stopped_at = work.closed_at
             work.stop.set()
             self._end(work)
-        elif work.running:  # goes on for nobody until aborted or LINGER_S
-            task = asyncio.get_running_loop().create_task(
-                self._linger(work), name=f"{self.kind} linger {work.engine_ids[0]}")
-            self._tasks.add(task)
-            task.add_done_callback(self._tasks.discard)
+        elif work.running and work.known.is_set():  # goes on for nobody until aborted or its end
+            self._start_linger(work)
+        # (not registered yet: it lingers from its registration, see _register)
         self.watch.changed()
 
+    def _start_linger(self, work: Work) -> None:
+        task = asyncio.get_running_loop().create_task(
+            self._linger(work), name=f"{self.kind} linger {work.engine_ids[0]}")
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+
     async def _linger(self, work: Work) -> None:
-        await _wait(work.stop, LINGER_S)
+        """Generate for nobody until every id is aborted, the last token, or ``LINGER_S``. The
+        last token is due ``length_s`` after the registration, or, for a stream behind that
+        schedule (a slow reader), after its remaining events."""
+        left = LINGER_S
+        if work.length_s is not None and work.registered_at is not None:
+            due = max(work.registered_at + work.length_s - time.monotonic(),
+                      (work.tokens - work.events) * work.interval_s if work.events else 0.0)
+            left = min(left, max(0.0, due))
+        await _wait(work.stop, left)
         self._end(work)
 
     # -- HTTP ---------------------------------------------------------------------------------
@@ -205,7 +334,8 @@ class KindEngine:
     @web.middleware
     async def _unknown(self, request: web.Request, handler: Any) -> web.StreamResponse:
         try:
-            return await handler(request)
+            response: web.StreamResponse = await handler(request)
+            return response
         except web.HTTPNotFound:
             self.unknown_paths.append(request.path)
             self.watch.changed()
@@ -228,15 +358,27 @@ class KindEngine:
         return web.json_response({"object": "list", "data": [{"id": "fake"}]})
 
     async def generate(self, request: web.Request) -> web.StreamResponse:
+        head = Head(request.path, request.headers, time.monotonic())
+        self.heads.append(head)
+        self.watch.changed()
+        raw = await request.read()
+        head.whole = True
         try:
-            body = json.loads(await request.read())
+            body = json.loads(raw)
         except ValueError:
             body = None
         if not isinstance(body, dict):
             return web.json_response({"error": {"message": "body must be a JSON object"}},
                                      status=400)
-        work = self.admit(request.path, request.headers, body)
+        query = request.query
+        tokens, interval = int(query.get("tokens", 20)), float(query.get("interval", 0.01))
+        length = float(query.get("first_byte_delay", 0)) + tokens * interval
+        delay = float(query["register_delay"]) if "register_delay" in query else None
+        work = self.admit(request.path, request.headers, body, delay_s=delay,
+                          stagger_s=float(query.get("register_stagger", 0)), length_s=length)
+        work.tokens, work.interval_s = tokens, interval
         try:
+            await work.known.wait()  # at once unless registration is delayed
             return await self._respond(request, body, work)
         except (asyncio.CancelledError, ConnectionResetError):
             self._closed(work)
@@ -260,10 +402,10 @@ class KindEngine:
                 # Aborted before its answer (the sidecar's abort can arrive before its upstream
                 # close): record the connection going away if it does before the answer would.
                 await self._until_closed(request, work)
-            response = web.json_response({"id": ident, "choices": [
+            answer = web.json_response({"id": ident, "choices": [
                 {"index": 0, "text": "x" * tokens, "finish_reason": reason}]})
             self._end(work)
-            return response
+            return answer
         response = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
         await response.prepare(request)
         for i in range(tokens):
@@ -312,23 +454,30 @@ class VLLMEngine(KindEngine):
     """vLLM's request ids and abort endpoint (see the module docstring)."""
 
     kind = "vllm"
-    generating = ("/v1/chat/completions", "/v1/completions", "/inference/v1/generate")
+    generating = ("/v1/chat/completions", "/v1/chat/completions/batch", "/v1/completions",
+                  "/inference/v1/generate")
     abort_path = "/inference/v1/abort_requests"
 
     def __init__(self, api_key: str | None = None, *, scale_out: bool = True,
-                 prefill_only: bool = False) -> None:
+                 registration_delay_s: float = 0.0, prefill_only: bool = False) -> None:
         self.scale_out = scale_out  # False: started without --enable-scale-out
-        super().__init__(api_key, prefill_only=prefill_only)
+        super().__init__(api_key, registration_delay_s=registration_delay_s,
+                         prefill_only=prefill_only)
 
     def derive(self, path: str, headers: Mapping[str, str], body: dict[str, Any]
                ) -> tuple[str | None, tuple[str, ...]]:
         rid = headers.get("X-Request-Id") or uuid.uuid4().hex
         if path == "/v1/chat/completions":
             return rid, (f"chatcmpl-{rid}",)
+        if path == "/v1/chat/completions/batch":  # messages: a list of conversations
+            conversations = body.get("messages")
+            count = len(conversations) if isinstance(conversations, list) else 0
+            return rid, tuple(f"chatcmpl-{rid}_{i}" for i in range(max(count, 1)))
         if path == "/v1/completions":
             prompt = body.get("prompt")
             many = isinstance(prompt, list) and prompt and not isinstance(prompt[0], int)
-            return rid, tuple(f"cmpl-{rid}-{i}" for i in range(len(prompt) if many else 1))
+            count = len(prompt) if many and isinstance(prompt, list) else 1
+            return rid, tuple(f"cmpl-{rid}-{i}" for i in range(count))
         return rid, (f"generate-tokens-{rid}",)
 
     def _add_abort_route(self) -> None:
@@ -338,8 +487,10 @@ class VLLMEngine(KindEngine):
         body = json.loads(await request.read())
         ids = [str(i) for i in body.get("request_ids", [])]
         call = self._record_call(request, body, ids, 200 if self.scale_out else 403)
+        if self.abort_delay_s:  # a slow endpoint: recorded on arrival, applied and answered late
+            await asyncio.sleep(self.abort_delay_s)
         if call.status == 200:
-            self.abort_ids(ids)  # in the background in vLLM; unknown ids ignored
+            call.ignored = self.abort_ids(ids)  # in the background in vLLM; unknown ids ignored
         return web.Response(status=call.status)
 
 
@@ -366,11 +517,15 @@ class SGLangEngine(KindEngine):
         body = json.loads(await request.read())
         rid = str(body.get("rid") or "")
         call = self._record_call(request, body, [rid], 200)
+        if self.abort_delay_s:  # a slow endpoint: recorded on arrival, applied and answered late
+            await asyncio.sleep(self.abort_delay_s)
         if call.status == 200:
             if body.get("abort_all"):
                 self.abort_ids(list(self.live))
             elif rid in self.live:  # one tokenizer worker: exact id, then the prefix match
                 self.abort_ids([i for i in self.live if i.startswith(rid)])
+            else:  # not live (yet): dropped
+                call.ignored = self._ignore(rid, time.monotonic())
         return web.Response(status=call.status)  # 200 whatever the id
 
 
@@ -391,9 +546,12 @@ class OpenAIEngine(KindEngine):
                ) -> tuple[str | None, tuple[str, ...]]:
         return None, (f"own-{uuid.uuid4().hex}",)
 
-    def admit(self, path: str, headers: Mapping[str, str], body: dict[str, Any]) -> Work:
+    def admit(self, path: str, headers: Mapping[str, str], body: dict[str, Any], *,
+              delay_s: float | None = None, stagger_s: float = 0.0,
+              length_s: float | None = None) -> Work:
         behind = [(e, e.admit(path, headers, body)) for e in self.forward_to]
-        work = super().admit(path, headers, body)
+        work = super().admit(path, headers, body, delay_s=delay_s, stagger_s=stagger_s,
+                             length_s=length_s)
         self.forwarded[id(work)] = behind
         return work
 
@@ -408,6 +566,15 @@ class OpenAIEngine(KindEngine):
 
 def _sse(data: dict[str, Any]) -> bytes:
     return f"data: {json.dumps(data, separators=(',', ':'))}\n\n".encode()
+
+
+def stream_bytes(ident: str, tokens: int) -> bytes:
+    """The SSE body (de-chunked) of a stream of ``tokens`` events that ran to its end, as the
+    fakes write it for request id ``ident``."""
+    events = [_sse({"id": ident, "choices": [{"index": 0, "text": f"t{i}"}]})
+              for i in range(tokens)]
+    end = _sse({"id": ident, "choices": [{"index": 0, "text": "", "finish_reason": "stop"}]})
+    return b"".join(events) + end + b"data: [DONE]\n\n"
 
 
 async def _wait(event: asyncio.Event, seconds: float) -> None:

@@ -37,6 +37,7 @@ WAIT_S = 10.0  # how long any wait for an expected event may take before the tes
 FOREVER = 3600.0  # for waits that Stalls.wait bounds
 QUIET_S = 0.3  # how long to wait for something that must NOT happen, before settle()
 API_KEY = "sekret-key"  # what tests/conftest.py configures as abort.api_key
+RESEND_FIRST_S = 0.005  # documented (engines.*.abort): the first re-send, after the first call
 
 CHAT = "/v1/chat/completions"
 COMPLETIONS = "/v1/completions"
@@ -191,6 +192,24 @@ def request_body(body: dict[str, Any], stream: bool) -> bytes:
 
 
 # -- waiting and checking -----------------------------------------------------------------------
+
+def max_calls(first_at: float, window_end: float, max_interval_s: float) -> int:
+    """The most calls that may name one engine id of a request whose first abort call was made
+    at ``first_at`` (no earlier than its client left) and whose window closes at
+    ``window_end`` (no later than the engine's arrival + ``resend_window_s``): the first call,
+    re-sends ``RESEND_FIRST_S`` after it with intervals doubling up to ``max_interval_s`` while
+    before ``window_end``, the one at ``window_end``, and one more since re-sends due within a
+    couple of ms leave together (one may go a little early). Earlier ``first_at`` and later
+    ``window_end`` only allow more, so the client-side and engine-side times bound it."""
+    if window_end <= first_at:
+        return 1
+    calls, at, gap = 1, first_at, RESEND_FIRST_S
+    while at + gap < window_end:
+        at += gap
+        calls += 1
+        gap = min(2 * gap, max_interval_s)
+    return calls + 2
+
 
 async def no_event(event: asyncio.Event, within_s: float = QUIET_S) -> bool:
     """True if ``event`` stays unset for ``within_s`` seconds."""

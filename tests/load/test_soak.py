@@ -1,21 +1,30 @@
 """A soak: many requests, 50 at a time, each cut at a random phase (seeded), through a sidecar in
-its own process (:mod:`tests.load.sidecar_process`, production wiring).
+its own process (:mod:`tests.load.sidecar_process`, production wiring), in front of the vLLM fake
+of :mod:`tests.kind_engines`, which registers each request's ids a random 0-50 ms after its
+whole body arrived (``register_delay``, seeded): an abort before that is a no-op at the engine,
+and a request whose connection closed generates for nobody until it is aborted by id or reaches
+its last token.
 
-Phases: ``body`` (leave while sending the request body), ``queued`` (the engine holds the
+Phases: ``body`` (leave while sending the request body), ``after_body`` (leave in the same loop
+step that wrote the last body byte), ``registering`` (the engine has the whole body; leave at a
+random point of its registration delay), ``queued`` (the engine, its ids registered, holds the
 request in ``first_byte_delay``), ``first_byte`` (the engine generates; the client reads
 nothing), ``mid_stream`` (after 1-15 events), ``after_last`` (right after ``data: [DONE]``),
 ``complete`` (read to the end, checked byte for byte); a client leaves with a TCP reset or an
-orderly close (FIN), also chosen at random. Checked per request, with the engine as
-the ground truth: a request the engine had whole and had not finished when its client left is
-aborted exactly once; a completed one (``complete``, ``after_last``) and one whose body never
-arrived whole is never aborted; a client that left while the engine was finishing anyway may be
-aborted at most once (counted as raced). Then the sidecar process's file descriptors, its
-connections to the engine and its asyncio tasks must come back to their levels before any
-traffic (right after the last request up to the idle keep-alive pool, at most
+orderly close (FIN), also chosen at random. Checked per request, with the engine as the ground
+truth: a request the engine had whole and whose connection closed before its end is stopped
+(every id aborted after its registration) and no id of it runs to its end (``left running``
+must be 0), with between 1 and :func:`tests.support.max_calls` calls naming its id (the
+documented re-send schedule of the default ``abort`` settings); a completed one (``complete``,
+``after_last``) is never named, and one whose body never arrived whole (``body``; maybe
+``after_body``) has no work at the engine; a client that left while the engine was finishing
+anyway may be named, within the same bound (counted as raced). Then the sidecar process's file
+descriptors, its connections to the engine and its asyncio tasks must come back to their levels
+before any traffic (right after the last request up to the idle keep-alive pool, at most
 ``CONCURRENCY`` connections: fds may exceed the baseline by that many; once the proxy pool's
 ``keepalive_timeout_s`` expired, only the abort calls' pool, at most ``MAX_CALLS_PER_ENGINE``
-connections), and its resident memory after a warm-up
-slice must grow by less than 10 % over the rest.
+connections), and its resident memory after a warm-up slice must grow by less than 10 % over
+the rest.
 
 Size: ``CANCEL_SIDECAR_SOAK_N`` requests (default 2000; the full size is 20000). Run with ``-s``
 for the numbers.
@@ -35,12 +44,13 @@ import psutil
 import pytest
 
 from sidecar.abort import MAX_CALLS_PER_ENGINE
+from sidecar.config import AbortSettings
 from tests import rawhttp
 from tests.cli_process import config_tree
-from tests.fake_engine import FakeEngine, Generation, Seen
-from tests.load.common import chat_request, expected_stream, reset, size_from_env
+from tests.kind_engines import Head, VLLMEngine, Work, stream_bytes
+from tests.load.common import chat_request, ms, percentile, reset, size_from_env
 from tests.load.sidecar_process import SidecarProcess, sidecar_process
-from tests.support import metrics, sample
+from tests.support import max_calls, metrics, samples
 
 pytestmark = [pytest.mark.load, pytest.mark.timeout(1800)]
 
@@ -55,44 +65,52 @@ KEEPALIVE_S = 1.0  # idle pooled upstream connections close after this
 # aiohttp's default keep-alive (15 s), not upstream.keepalive_timeout_s.
 ABORT_POOL = MAX_CALLS_PER_ENGINE
 TASK_TOLERANCE = 0  # asyncio tasks: back to the baseline exactly
-PHASES = ("body", "queued", "first_byte", "mid_stream", "after_last", "complete")
+PHASES = ("body", "after_body", "registering", "queued", "first_byte", "mid_stream",
+          "after_last", "complete")
+# A cut request generates for 4 s or more once registered: far longer than an abort takes even
+# on a loaded machine, so an id that runs to its end was missed, not merely raced.
 QUERIES = {
     "body": "tokens=5&interval=0.01",
+    "after_body": "tokens=200&interval=0.02",
+    "registering": "tokens=200&interval=0.02",
     "queued": "first_byte_delay=5&tokens=5",
-    "first_byte": "tokens=50&interval=0.02",
-    "mid_stream": "tokens=40&interval=0.02",
+    "first_byte": "tokens=200&interval=0.02",
+    "mid_stream": "tokens=200&interval=0.02",
     "after_last": "tokens=5&interval=0.01",
     "complete": "tokens=5&interval=0.01",
 }
-DISCONNECTED = ("queued", "first_byte", "mid_stream")  # the client leaves before the end
+# the client leaves before the end (after_body: maybe before the engine had the whole body)
+DISCONNECTED = ("after_body", "registering", "queued", "first_byte", "mid_stream")
+MAX_REGISTER_DELAY_S = 0.05  # each request's ids are registered U(0, this) after its body
+ABORT = AbortSettings()  # the defaults: resend_window_s, resend_max_interval_s
 
 
 @dataclass
 class Outcome:
     tag: str
     phase: str
+    left_at: float | None = None  # when the client left (before its response ended)
 
 
 class EngineIndex:
     """The fake engine's records by request tag, kept up to date incrementally."""
 
-    def __init__(self, engine: FakeEngine) -> None:
+    def __init__(self, engine: VLLMEngine) -> None:
         self.engine = engine
-        self.seen: dict[str, Seen] = {}
-        self.generations: dict[str, Generation] = {}
-        self._seen_at = self._gen_at = 0
+        self.seen: dict[str, Head] = {}
+        self.works: dict[str, Work] = {}
+        self._seen_at = self._works_at = 0
 
     def update(self) -> None:
-        record = self.engine.record
-        for seen in self.engine.watch.seen[self._seen_at:]:
-            tag = seen.headers.get("X-Client-Request-Id")
+        for head in self.engine.heads[self._seen_at:]:
+            tag = head.headers.get("X-Client-Request-Id")
             if tag:
-                self.seen[tag] = seen
-        self._seen_at = len(self.engine.watch.seen)
-        for gen in record.generations[self._gen_at:]:
-            if isinstance(gen.body, dict) and "tag" in gen.body:
-                self.generations[gen.body["tag"]] = gen
-        self._gen_at = len(record.generations)
+                self.seen[tag] = head
+        self._seen_at = len(self.engine.heads)
+        for work in self.engine.works[self._works_at:]:
+            if isinstance(work.body, dict) and "tag" in work.body:
+                self.works[work.body["tag"]] = work
+        self._works_at = len(self.engine.works)
 
     async def until(self, what: str, predicate: Callable[[], bool]) -> None:
         def check() -> bool:
@@ -112,36 +130,55 @@ def leave(writer: asyncio.StreamWriter, how: str) -> None:
 
 async def one_request(port: int, index: EngineIndex, tag: str, phase: str, how: str
                       ) -> Outcome:
-    head, body = chat_request(QUERIES[phase], tag, body_extra=4000)
+    rng = random.Random(tag)
+    delay = rng.uniform(0.0, MAX_REGISTER_DELAY_S)
+    head, body = chat_request(f"{QUERIES[phase]}&register_delay={delay:.4f}", tag,
+                              body_extra=4000)
     head = head.replace(b"\r\n\r\n", f"\r\nX-Request-Id: {tag}\r\n\r\n".encode())
     outcome = Outcome(tag, phase)
     reader, writer = await asyncio.open_connection("127.0.0.1", port)
+
+    def gone() -> None:
+        outcome.left_at = time.monotonic()
+        leave(writer, how)
+
     try:
         async with asyncio.timeout(GUARD_S):
             if phase == "body":
                 writer.write(head + body[: len(body) // 2])
                 await index.until(f"the engine to see request {tag}", lambda: tag in index.seen)
                 leave(writer, how)
+            elif phase == "after_body":
+                writer.write(head + body)
+                gone()  # in the same loop step as the last body byte
+            elif phase == "registering":
+                writer.write(head + body)
+                await index.until(f"the engine to get {tag} whole", lambda: tag in index.works)
+                work = index.works[tag]
+                # the instant under test, within the registration delay (not a synchronisation)
+                await asyncio.sleep(max(0.0, work.started + rng.uniform(0.0, delay)
+                                        - time.monotonic()))
+                gone()
             elif phase in ("queued", "first_byte"):
                 writer.write(head + body)
-                await index.until(f"the engine to start generating {tag}",
-                                  lambda: tag in index.generations)
-                leave(writer, how)
+                await index.until(f"the engine to start generating {tag}", lambda: (
+                    tag in index.works and index.works[tag].known.is_set()))
+                gone()
             else:
                 writer.write(head + body)
                 response = await rawhttp.read_head(reader)
                 assert response.status == 200, f"{tag}: expected 200, got {response.status}"
                 if phase == "mid_stream":
-                    for _ in range(random.Random(tag).randint(1, 15)):
+                    for _ in range(rng.randint(1, 15)):
                         await reader.readuntil(b"\n\n")
-                    leave(writer, how)
+                    gone()
                 elif phase == "after_last":
                     await reader.readuntil(b"data: [DONE]\n\n")
                     leave(writer, how)
                 else:
                     await rawhttp.read_body(reader, response, "POST")
                     sidecar_id = response.get("X-Request-Id") or ""
-                    want = expected_stream(sidecar_id, 5)
+                    want = stream_bytes(sidecar_id, 5)
                     assert response.ending == "complete" and response.body == want, (
                         f"{tag}: expected the engine's {len(want)} bytes, complete; got "
                         f"{len(response.body)} bytes, {response.ending}")
@@ -198,71 +235,158 @@ async def run(port: int, index: EngineIndex, plan: list[tuple[str, str, str]]
     return outcomes
 
 
-async def test_soak_aborts_exactly_the_cut_requests_and_leaks_nothing(
-        engine: FakeEngine, tmp_path: Path) -> None:
+def abort_counts(values: dict[tuple[str, frozenset[tuple[str, str]]], float]
+                 ) -> tuple[float, float]:
+    """(abort call attempts, requests with a final abort outcome) on the sidecar's /metrics,
+    whatever the outcome: a call the engine got may still end ``timeout`` at the sidecar when
+    this loaded loop answers it late."""
+    return (sum(outcomes_of(values, "cancel_sidecar_abort_calls_total").values()),
+            sum(outcomes_of(values, "cancel_sidecar_aborted_requests_total").values()))
+
+
+def outcomes_of(values: dict[tuple[str, frozenset[tuple[str, str]]], float], name: str
+                ) -> dict[str, float]:
+    """outcome -> count of the sample ``name`` on the sidecar's /metrics."""
+    return {dict(labels).get("outcome", "?"): v for labels, v in samples(values, name).items()}
+
+
+async def counted(sidecar: SidecarProcess, engine: VLLMEngine
+                  ) -> dict[tuple[str, frozenset[tuple[str, str]]], float]:
+    """/metrics once the sidecar has counted every call the engine answered (it counts on the
+    answer, which may still be on its way): polled (no event crosses the process boundary),
+    for at most ``GUARD_S``; the last reading."""
+    deadline = time.monotonic() + GUARD_S
+    while True:
+        values = await metrics(sidecar.admin_port)
+        want = (len(engine.calls), len({i for c in engine.calls for i in c.ids}))
+        if abort_counts(values) == want or time.monotonic() > deadline:
+            return values
+        await asyncio.sleep(0.1)
+
+
+def check(o: Outcome, work: Work | None, named: Counter[str], calls: dict[str, list[float]]
+          ) -> tuple[str | None, str]:
+    """(what is wrong with request ``o``, or None; its kind: ``cut``, ``raced``, ``completed``,
+    ``never_whole`` or ``left_running``)."""
+    if work is None:
+        if o.phase in ("body", "after_body"):
+            return None, "never_whole"
+        return f"{o.tag} ({o.phase}): expected a work at the engine, none", "never_whole"
+    count = sum(named[i] for i in work.engine_ids)
+    times = sorted(t for i in work.engine_ids for t in calls.get(i, []))
+    if o.phase == "body":
+        return f"{o.tag}: expected the engine never to get the whole body", "completed"
+    if o.phase not in DISCONNECTED:
+        if count or not work.finished:
+            return (f"{o.tag} ({o.phase}): expected it run to its end and never named; got "
+                    f"finished={work.finished}, named {count} time(s)"), "completed"
+        return None, "completed"
+    assert o.left_at is not None
+    bound = max_calls(o.left_at, work.started + ABORT.resend_window_s,
+                      ABORT.resend_max_interval_s)
+    if work.closed_at is None:  # it had finished before its connection closed
+        if count > bound:
+            return (f"{o.tag} ({o.phase}, raced): expected at most {bound} calls naming it, "
+                    f"got {count}"), "raced"
+        return None, "raced"
+    if work.ran_to_end or work.stopped_at is None:
+        return (f"{o.tag} ({o.phase}): expected stopped before its end; ran to its end "
+                f"{sorted(work.ran_to_end)}, registered "
+                f"{[round(t - work.started, 4) for t in work.registered.values()]} s after its "
+                f"body, client left {o.left_at - work.started:.4f} s after, "
+                f"{sum(map(len, work.ignored.values()))} abort(s) ignored before registration "
+                f"(or arrival), named {count} time(s), at "
+                f"{[round(t - work.started, 4) for t in times]} s after its body"), "left_running"
+    if not 1 <= count <= bound:
+        return f"{o.tag} ({o.phase}): expected 1..{bound} calls naming it, got {count}", "cut"
+    return None, "cut"
+
+
+async def test_soak_aborts_exactly_the_cut_requests_and_leaks_nothing(tmp_path: Path) -> None:
+    engine = VLLMEngine()
+    await engine.start()
+    try:
+        await soak(engine, tmp_path)
+    finally:
+        await engine.stop()
+
+
+async def soak(engine: VLLMEngine, tmp_path: Path) -> None:
     rng = random.Random(SEED)
     plan = [(f"soak-{k}", rng.choice(PHASES), rng.choice(("rst", "fin"))) for k in range(N)]
     index = EngineIndex(engine)
-    tree = config_tree(engine.url, upstream={"keepalive_timeout_s": KEEPALIVE_S})
+    port = int(engine.url.rsplit(":", 1)[1])
+    # The default abort settings (config_tree's own turns re-sends off for first-call counting).
+    tree = config_tree(engine.url, upstream={"keepalive_timeout_s": KEEPALIVE_S}, engines={
+        "local": {"kind": "vllm", "url": engine.url,
+                  "abort": {"api_key": "cli-key", "timeout_s": 2.0}}})
     async with sidecar_process(tmp_path, tree) as sidecar:
-        before = await levels(sidecar, engine.port)
+        before = await levels(sidecar, port)
         started = time.monotonic()
         outcomes = await run(sidecar.proxy_port, index, plan[:WARM_UP])
-        warm = await settled(sidecar, engine.port, before)
+        warm = await settled(sidecar, port, before)
         outcomes += await run(sidecar.proxy_port, index, plan[WARM_UP:])
         took = time.monotonic() - started
-        await index.until("every generation finished or closed", lambda: all(
-            g.finished or g.closed_at is not None for g in engine.record.generations))
+        await index.until("every request at the engine stopped or at its end", lambda: all(
+            not w.running for w in engine.works))
         index.update()
-        must = {f"chatcmpl-{index.generations[o.tag].request_id}" for o in outcomes
-                if o.phase in DISCONNECTED and not index.generations[o.tag].finished}
-        await index.until(f"abort calls naming all {len(must)} cut requests",
-                          lambda: must <= set(engine.record.aborted_ids()))
-        values = await metrics(sidecar.admin_port)
-        after = await settled(sidecar, engine.port, before)
+        # Re-sends go on for up to resend_window_s after the last body: let them end (no event
+        # says "no more calls"), then read the counters.
+        last = max((w.started for w in engine.works), default=time.monotonic())
+        await asyncio.sleep(max(0.0, last + ABORT.resend_window_s + 1.0 - time.monotonic()))
+        values = await counted(sidecar, engine)
+        after = await settled(sidecar, port, before)
         # No event tells when a pooled connection expires: give the proxy pool's timer time.
         await asyncio.sleep(3 * KEEPALIVE_S)
-        idle = await settled(sidecar, engine.port, before, pool=ABORT_POOL)
+        idle = await settled(sidecar, port, before, pool=ABORT_POOL)
 
-    named = Counter(engine.record.aborted_ids())
+    named = Counter(i for c in engine.calls for i in c.ids)
+    call_times: dict[str, list[float]] = {}  # engine id -> when calls naming it arrived
+    for call in engine.calls:
+        for i in call.ids:
+            call_times.setdefault(i, []).append(call.at)
     phases = Counter(o.phase for o in outcomes)
-    raced = 0
+    kinds: Counter[str] = Counter()
     problems: list[str] = []
     for o in outcomes:
-        gen = index.generations.get(o.tag)
-        engine_id = f"chatcmpl-{gen.request_id}" if gen else None
-        count = named.get(engine_id, 0) if engine_id else 0
-        if o.phase == "body":
-            if gen is not None:
-                problems.append(f"{o.tag}: expected the engine never to get the whole body")
-        elif gen is None:
-            problems.append(f"{o.tag} ({o.phase}): expected a generation at the engine, none")
-        elif o.phase in DISCONNECTED and not gen.finished:
-            if count != 1:
-                problems.append(f"{o.tag} ({o.phase}): expected aborted once, got {count}")
-        elif o.phase in DISCONNECTED:
-            raced += 1
-            if count > 1:
-                problems.append(f"{o.tag} ({o.phase}, raced): expected aborted at most once, "
-                                f"got {count}")
-        elif count:
-            problems.append(f"{o.tag} ({o.phase}): expected no abort, got {count}")
-    calls = sample(values, "cancel_sidecar_abort_calls_total", engine="local", outcome="accepted")
-    aborted = sample(values, "cancel_sidecar_aborted_requests_total", engine="local",
-                     outcome="accepted")
+        problem, kind = check(o, index.works.get(o.tag), named, call_times)
+        kinds[kind] += 1
+        if problem:
+            problems.append(problem)
+    first = {i: times[0] for i, times in call_times.items()}
+    latency = sorted(first[w.engine_ids[0]] - o.left_at for o in outcomes
+                     if o.left_at is not None and (w := index.works.get(o.tag)) is not None
+                     and w.engine_ids[0] in first) or [0.0]
+    calls, aborted = abort_counts(values)
     growth = (after.rss - warm.rss) / warm.rss
     print(f"\n[soak] N={N}, concurrency {CONCURRENCY}, seed {SEED}: {took:.1f} s "
-          f"({N / took:.0f} req/s); phases {dict(phases)}; {len(set(named))} aborted in "
-          f"{len(engine.record.aborts)} call(s), {raced} raced (engine finished anyway)\n"
+          f"({N / took:.0f} req/s); phases {dict(phases)}\n"
+          f"[soak] disconnected with the whole body at the engine: {kinds['cut']} stopped, "
+          f"{kinds['left_running']} left running (an id ran to its end), {kinds['raced']} "
+          f"raced (engine finished anyway); {kinds['never_whole']} never had the whole body; "
+          f"{kinds['completed']} completed\n"
+          f"[soak] {len(set(named))} ids named in {len(engine.calls)} call(s), "
+          f"{sum(named.values())} namings; {len(engine.ignored)} ignored (before registration or "
+          f"arrival); "
+          f"client left -> first call naming it: p50 {ms(percentile(latency, 0.5))}, p99 "
+          f"{ms(percentile(latency, 0.99))}\n"
           f"[soak] before:  {before}\n[soak] warm-up: {warm} (after {WARM_UP} requests)\n"
           f"[soak] after:   {after}\n[soak] idle:    {idle} (proxy pool expired)\n"
-          f"[soak] RSS growth after warm-up {growth:+.1%}")
-    assert not problems, f"{len(problems)} request(s) wrong, e.g. {problems[:5]}"
-    assert set(named) <= {f"chatcmpl-{g.request_id}" for g in index.generations.values()}, (
-        "expected only ids of requests the engine had to be aborted")
-    assert (calls, aborted) == (len(engine.record.aborts), len(set(named))), (
-        f"expected the sidecar to count {len(engine.record.aborts)} ok calls for "
-        f"{len(set(named))} requests; got {calls} calls, {aborted} requests")
+          f"[soak] RSS growth after warm-up {growth:+.1%}\n"
+          f"[soak] sidecar: abort calls {outcomes_of(values, 'cancel_sidecar_abort_calls_total')}"
+          f", aborted requests {outcomes_of(values, 'cancel_sidecar_aborted_requests_total')}")
+    assert kinds["left_running"] == 0 and not problems, (
+        f"expected 0 generations left running and every request right; {kinds['left_running']} "
+        f"left running, {len(problems)} request(s) wrong, e.g. {problems[:5]}")
+    ids = {i for w in index.works.values() for i in w.engine_ids}
+    assert set(named) <= ids, "expected only ids of requests the engine had to be aborted"
+    assert (calls, aborted) == (len(engine.calls), len(set(named))), (
+        f"expected the sidecar to count {len(engine.calls)} call attempts (every call the engine "
+        f"got) for {len(set(named))} requests; got {calls} attempts, {aborted} requests")
+    final = outcomes_of(values, "cancel_sidecar_aborted_requests_total")
+    assert not {"cancelled", "dropped"} & set(final), (
+        f"expected no request's abort to end cancelled (the sidecar was running) or dropped; "
+        f"got {final}")
     assert after.upstream <= CONCURRENCY, (
         f"expected at most {CONCURRENCY} pooled upstream connections, got {after.upstream}")
     assert after.fds <= before.fds + after.upstream, (
