@@ -56,7 +56,8 @@ parameters (the sidecar forwards them untouched): ``register_delay`` and ``regis
 SSE body of a stream that ran to its end. ``GET /v1/models`` (``hold`` seconds before answering)
 and ``GET /health`` answer on every kind. ``heads`` records every generating request whose head
 arrived, whether or not its body then arrived whole. A positive integer ``max_tokens`` in the
-body caps ``tokens``, as every engine caps its output (llm-d's prefill legs ask for ``max_tokens: 1``).
+body caps ``tokens``, as every engine caps its output (llm-d's prefill legs ask for
+``max_tokens: 1``).
 ``prefill_only=True`` makes the engine a disaggregated prefill server: every request ends after
 one token, whatever it asks (SGLang's ``--disaggregation-mode prefill`` ends a request once its
 prefill is done and its KV handed to the decode server; llm-d's SGLang connector sends the
