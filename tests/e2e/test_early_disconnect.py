@@ -197,6 +197,7 @@ class Outcome:
     settled_s: float  # from the (last) reset to the start of the quiet period
     abort_calls: int = 0  # the sidecar's abort calls for the case (informative only)
     tracked: int = 0  # requests vLLM still tracked after the quiet period (see sweep())
+    sidecar_phase: str = ""  # where the sidecar's access lines say it stopped (informative)
 
 
 def busy(s: Sample) -> bool:
@@ -283,12 +284,39 @@ def abort_calls(sc: SidecarProcess) -> int:
     return int(sidecar_counter(sc, "cancel_sidecar_abort_calls_total"))
 
 
-def finish(engine: VLLMServer, sc: SidecarProcess, calls_before: int, seen: Outcome) -> Outcome:
-    """``seen`` (from /metrics) completed with the sidecar's abort calls and the sweep's count;
-    any request vLLM still tracked after the quiet period is a leak too."""
+def log_size(sc: SidecarProcess) -> int:
+    return sc.log_path.stat().st_size
+
+
+def sidecar_phases(sc: SidecarProcess, since: int) -> str:
+    """Informative only (the proof is at the engine): the ``phase`` of the sidecar's access lines
+    for the POSTs logged after byte ``since`` of its log, counted, e.g. ``before_first_byte``
+    (the engine had the whole body: aborted) or ``request_body`` (it never had all of it: no
+    abort)."""
+    with open(sc.log_path, "rb") as f:
+        f.seek(since)
+        lines = f.read().decode(errors="replace").splitlines()
+    phases: dict[str, int] = {}
+    for line in lines:
+        try:
+            entry = json.loads(line)
+        except ValueError:
+            continue
+        if entry.get("logger") == "sidecar.access" and entry.get("method") == "POST":
+            phase = str(entry.get("phase"))
+            phases[phase] = phases.get(phase, 0) + 1
+    return ", ".join(f"{p} x{n}" if n > 1 else p for p, n in sorted(phases.items())) or "-"
+
+
+def finish(engine: VLLMServer, sc: SidecarProcess, before: tuple[int, int],
+           seen: Outcome) -> Outcome:
+    """``seen`` (from /metrics) completed with the sweep's count (any request vLLM still tracked
+    after the quiet period is a leak too) and, for the table, the sidecar's abort calls and
+    phases since ``before`` (abort call count, log size)."""
     tracked = sweep(engine)
     return replace(seen, leaked=seen.leaked or tracked > 0, tracked=tracked,
-                   abort_calls=abort_calls(sc) - calls_before)
+                   abort_calls=abort_calls(sc) - before[0],
+                   sidecar_phase=sidecar_phases(sc, before[1]))
 
 
 # --- fixtures -----------------------------------------------------------------------------------
@@ -333,13 +361,14 @@ def table(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFacto
 
 def format_table(rows: list[dict[str, Any]], seconds: float) -> str:
     head = ("case", "reset ms", "engine ids", "tokens after reset", "ms to running=0",
-            "peak run+wait", "left run+wait", "still tracked", "sidecar abort calls", "verdict")
+            "peak run+wait", "left run+wait", "still tracked", "sidecar abort calls", "verdict",
+            "sidecar phase (informative)")
     lines = [head]
     for r in rows:
         lines.append((r["case"], r["delays"], str(r["ids"]), str(r["tokens_after"]),
                       "-" if r["ms_to_idle"] is None else str(r["ms_to_idle"]),
                       str(r["peak"]), str(r["left"]), str(r["tracked"]), str(r["abort_calls"]),
-                      "LEAK" if r["leaked"] else "stopped"))
+                      "LEAK" if r["leaked"] else "stopped", r["sidecar_phase"]))
     widths = [max(len(line[i]) for line in lines) for i in range(len(head))]
     out = ["  ".join(c.ljust(w) for c, w in zip(line, widths, strict=True)) for line in lines]
     out.insert(1, "  ".join("-" * w for w in widths))
@@ -396,11 +425,11 @@ def test_prompts_are_several_thousand_tokens(engine: VLLMServer, model_dir: Path
 def test_reset_after_the_body_leaves_nothing_running(
         kind: str, delay_ms: int, engine: VLLMServer, sidecar: SidecarProcess, model_dir: Path,
         sampler: MetricsSampler, table: list[dict[str, Any]]) -> None:
-    calls_before = abort_calls(sidecar)
+    before = abort_calls(sidecar), log_size(sidecar)
     body = request_body(model_dir, kind)
     first_sample(sampler)
     reset = send_and_reset(sidecar.base_url, kind, body, delay_ms)
-    outcome = finish(engine, sidecar, calls_before,
+    outcome = finish(engine, sidecar, before,
                      watch(sampler, reset.reset_at, reset.sent_at + RESEND_WINDOW_S))
     record(table, f"{kind}, {delay_ms} ms", [reset], KINDS[kind].engine_requests, outcome)
     assert not outcome.leaked, (
@@ -414,7 +443,7 @@ def test_many_resets_at_once_leave_nothing_running(
         burst: int, engine: VLLMServer, sidecar: SidecarProcess, model_dir: Path,
         sampler: MetricsSampler, table: list[dict[str, Any]]) -> None:
     """All cases at once: the API process tokenizes ~65k prompt tokens while the aborts come."""
-    calls_before = abort_calls(sidecar)
+    before = abort_calls(sidecar), log_size(sidecar)
     bodies = [(kind, delay, request_body(model_dir, kind)) for kind, delay in CASES]
     start = threading.Barrier(len(bodies))
     first_sample(sampler)
@@ -423,7 +452,7 @@ def test_many_resets_at_once_leave_nothing_running(
                    for kind, delay, body in bodies]
         resets = [f.result(timeout=60) for f in futures]
     # Figures from the first reset (tokens counted from then on); the window from the last body.
-    outcome = finish(engine, sidecar, calls_before,
+    outcome = finish(engine, sidecar, before,
                      watch(sampler, min(r.reset_at for r in resets),
                            max(r.sent_at for r in resets) + RESEND_WINDOW_S))
     ids = sum(KINDS[kind].engine_requests for kind, _ in CASES)
