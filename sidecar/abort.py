@@ -38,8 +38,8 @@ request gets a fresh sidecar id. An attempt is retried, up to ``abort.retries`` 
 a backoff of ``RETRY_BACKOFF_S`` doubling per retry (at most ``RETRY_BACKOFF_MAX_S``), only
 when the failure is transient (:func:`transient`):
 
-- no connection, or the connection lost before an answer (``aiohttp.ClientConnectionError``:
-  refused, reset, server disconnected; not TLS errors, which repeat);
+- no connection, or the connection lost before an answer (refused, reset, closed; not TLS
+  errors, which repeat; :class:`~sidecar.abort_wire.AbortWireError`);
 - ``RETRY_STATUSES`` (502, 503, 504): a proxy in front of the engine, or an engine that is
   overloaded or starting (uvicorn answers 503 beyond ``--limit-concurrency``).
 
@@ -61,14 +61,16 @@ call that succeeded; the bearer key is never logged.
 from __future__ import annotations
 
 import asyncio
+import heapq
+import itertools
 import logging
+import ssl
 import time
 from collections import deque
 from dataclasses import dataclass, field
 
-import aiohttp
-
 from engine import AbortCall, EngineAdapter
+from sidecar.abort_wire import AbortPool, AbortWireError
 from sidecar.logs import RequestLog
 from sidecar.metrics import Metrics
 from sidecar.tasks import TaskSet
@@ -82,6 +84,9 @@ _LOGGED_IDS = 8  # sidecar request ids named in a call's log line; the access li
 RETRY_BACKOFF_S = 0.05  # before the first retry, seconds; doubles for each further one
 RETRY_BACKOFF_MAX_S = 1.0
 RETRY_STATUSES = frozenset({502, 503, 504})
+MAX_COLD_POOLS = 256  # abort connection pools of engines not in the config (per-request targets)
+RESEND_FIRST_S = 0.005  # the first re-send, after the first call; then doubling
+RESEND_COALESCE_S = 0.002  # re-sends due this close together leave in one call
 _OK = "accepted"
 
 # What an abort endpoint's refusal usually means; for the logs and /readyz.
@@ -101,12 +106,11 @@ _UNEXPECTED_HINT = ("the abort call could not be made; check engines.*.abort (e.
                     "refuses in a header) and report it if the config is fine")
 
 
-def _error_hint(exc: aiohttp.ClientError) -> str:
-    if isinstance(exc, aiohttp.ClientConnectorError):
-        return "nothing accepts connections at the engine's url"
-    if isinstance(exc, aiohttp.ClientConnectionError):
-        return "the connection was lost before an answer"
-    return ""
+_ERROR_HINTS = {
+    "connect": "nothing accepts connections at the engine's url",
+    "lost": "the connection was lost before an answer",
+    "protocol": "the engine's answer was not HTTP/1.x",
+}
 
 
 def transient(exc_or_status: BaseException | int) -> bool:
@@ -115,10 +119,7 @@ def transient(exc_or_status: BaseException | int) -> bool:
     not transient here: the engine hangs and the call may have landed."""
     if isinstance(exc_or_status, int):
         return exc_or_status in RETRY_STATUSES
-    if isinstance(exc_or_status, TimeoutError):
-        return False
-    return isinstance(exc_or_status, aiohttp.ClientConnectionError) and not isinstance(
-        exc_or_status, aiohttp.ClientSSLError | aiohttp.ServerFingerprintMismatch)
+    return isinstance(exc_or_status, AbortWireError) and exc_or_status.transient
 
 
 def backoff(retry: int) -> float:
@@ -148,13 +149,37 @@ class _Request:
     request_log: RequestLog | None
     unsent: int  # ids (the last ones) not yet taken into a call
     calls: int = 0  # calls carrying some of its ids, not yet answered
-    outcome: str | None = None  # the first outcome that was not ok, else ok
+    outcome: str | None = None  # the first outcome that was not accepted, else accepted
+    resend: _Resend | None = None  # its re-sends, if it ended inside the registration window
+    first: bool = True  # False for a re-send: counted in no request-level metric
 
     def settle(self, outcome: str) -> bool:
         """Record a call's ``outcome``; True once every id was sent and answered."""
         if self.outcome is None or self.outcome == _OK:
             self.outcome = outcome
         return self.unsent == 0 and self.calls == 0
+
+
+@dataclass(slots=True, eq=False)
+class _Resend:
+    """One request's re-sends at one engine: its ids again, at ``due`` (``time.monotonic()``),
+    then after ``gap`` seconds doubling up to the engine's ``resend_max_interval_s``, the last
+    one at ``until`` (the registration window's end)."""
+
+    ids: tuple[str, ...]
+    sidecar_id: str
+    until: float
+    due: float
+    gap: float
+    stopped: bool = False  # a call naming its ids was refused: re-sending cannot help
+
+    def advance(self, max_interval_s: float) -> bool:
+        """Move to the next re-send; False once the one at ``until`` was made."""
+        if self.due >= self.until:
+            return False
+        self.gap = min(self.gap * 2, max_interval_s)
+        self.due = min(self.due + self.gap, self.until)
+        return True
 
 
 @dataclass(slots=True, eq=False)
@@ -166,6 +191,8 @@ class _Queue:
     waiting_ids: int = 0
     in_flight: int = 0
     flush_scheduled: bool = False
+    resends: list[tuple[float, int, _Resend]] = field(default_factory=list)  # heap by due
+    resend_timer: asyncio.TimerHandle | None = None
 
     def take(self, limit: int) -> tuple[tuple[str, ...], list[_Request]]:
         """Up to ``limit`` waiting ids, oldest first, and the requests they belong to. A request
@@ -186,28 +213,71 @@ class _Queue:
         return tuple(ids), requests
 
     def idle(self) -> bool:
-        return not self.waiting and self.in_flight == 0 and not self.flush_scheduled
+        return (not self.waiting and self.in_flight == 0 and not self.flush_scheduled
+                and not self.resends)
 
 
 class Aborter:
     """Batches abort ids per engine, sends them in background calls, records every outcome."""
 
-    def __init__(self, session: aiohttp.ClientSession, tasks: TaskSet, metrics: Metrics) -> None:
-        self._session = session
+    def __init__(self, tasks: TaskSet, metrics: Metrics) -> None:
         self._tasks = tasks
         self._metrics = metrics
         self._queues: dict[EngineAdapter, _Queue] = {}  # adapters compare by identity
+        # By engine origin: survives config reloads. Configured engines' pools are kept warm;
+        # others (per-request targets) are not, and at most MAX_COLD_POOLS are kept.
+        self._pools: dict[str, AbortPool] = {}
+        self._warm: set[str] = set()
         self._in_flight = 0
+        self._order = itertools.count()  # ties in the re-send heap
+        self._closed = False
+
+    def warm(self, engines: list[EngineAdapter]) -> None:
+        """Open a warm abort connection to each engine that aborts (at startup and after a
+        reload), so the first abort after it waits for no handshake."""
+        for engine in engines:
+            if engine.aborts:
+                self._warm.add(engine.base_url)
+                pool = self._pool(engine)
+                if not pool.warm:
+                    pool.warm = True
+                    pool.start()
+
+    def _pool(self, engine: EngineAdapter) -> AbortPool:
+        url = engine.base_url
+        pool = self._pools.pop(url, None)
+        if pool is None:
+            pool = AbortPool(url, warm=url in self._warm)
+            pool.start()
+            cold = [u for u in self._pools if u not in self._warm]
+            if len(cold) >= MAX_COLD_POOLS:  # the least recently used
+                self._tasks.spawn(self._pools.pop(cold[0]).close(),
+                                  name=f"abort connections of {cold[0]}: close")
+        self._pools[url] = pool  # most recently used last
+        return pool
+
+    async def close(self) -> None:
+        """Stop the re-sends still due and close the abort connections (after the drain)."""
+        self._closed = True
+        for queue in self._queues.values():
+            if queue.resend_timer is not None:
+                queue.resend_timer.cancel()
+            queue.resends.clear()
+        await asyncio.gather(*(pool.close() for pool in self._pools.values()))
 
     def abort(self, engine: EngineAdapter, ids: tuple[str, ...], sidecar_id: str,
-              noticed_at: float, request_log: RequestLog | None = None) -> None:
+              noticed_at: float, request_log: RequestLog | None = None,
+              body_sent_at: float | None = None) -> None:
         """Queue ``ids`` (non-empty) for an abort call at ``engine``; returns at once.
 
         ``noticed_at`` is the ``time.monotonic()`` at which the disconnect was noticed; the
         request's abort latency is measured from it to the answer of the (last) call that
         carried its ids. ``request_log`` is told the request's outcome once (``cancelled`` if
         the sidecar stopped first, ``dropped`` if the engine's queue was full), so the
-        request's access line waits for it. Raises ``ValueError`` on an empty ``ids``.
+        request's access line waits for it. ``body_sent_at``: the ``time.monotonic()`` at which
+        the engine got the whole body; if the registration window
+        (``engines.*.abort.resend_window_s``) from then is still open, the ids are re-sent
+        until it closes (:class:`_Resend`). Raises ``ValueError`` on an empty ``ids``.
         """
         if not ids:
             raise ValueError("refusing an empty id list: an engine may read it as 'abort all'")
@@ -217,6 +287,19 @@ class Aborter:
         request = _Request(ids, sidecar_id, noticed_at, request_log, len(ids))
         if request_log is not None:
             request_log.abort_started()
+        window_s = engine.settings.abort.resend_window_s
+        if body_sent_at is not None and window_s > 0 and not self._closed:
+            until = body_sent_at + window_s
+            if until > noticed_at:
+                request.resend = _Resend(ids, sidecar_id, until,
+                                         min(noticed_at + RESEND_FIRST_S, until),
+                                         RESEND_FIRST_S)
+                self._schedule_resend(queue, request.resend)
+        self._enqueue(queue, request)
+
+    def _enqueue(self, queue: _Queue, request: _Request) -> None:
+        """Put ``request``'s ids in line and make sure a flush runs in the next loop turn."""
+        ids = request.ids
         if queue.waiting_ids + len(ids) > MAX_QUEUED_IDS and not self._make_room(queue, request):
             return
         queue.waiting.append(request)
@@ -227,8 +310,45 @@ class Aborter:
             # turn, and that same step sends the first call (a separate task per call would
             # start one turn later still, which under load is tens of milliseconds).
             flush = self._tasks.spawn(self._scheduled_flush(queue),
-                                      name=f"abort {engine.name}: flush")
+                                      name=f"abort {queue.engine.name}: flush")
             flush.add_done_callback(lambda _: self._flush_never_ran(queue))
+
+    def _schedule_resend(self, queue: _Queue, resend: _Resend) -> None:
+        heapq.heappush(queue.resends, (resend.due, next(self._order), resend))
+        self._arm(queue)
+
+    def _arm(self, queue: _Queue) -> None:
+        """One timer per engine, at its earliest re-send."""
+        if queue.resend_timer is not None:
+            queue.resend_timer.cancel()
+            queue.resend_timer = None
+        if queue.resends:
+            delay = max(0.0, queue.resends[0][0] - time.monotonic())
+            queue.resend_timer = asyncio.get_running_loop().call_later(
+                delay, self._resend_due, queue)
+
+    def _resend_due(self, queue: _Queue) -> None:
+        """Queue every re-send due now (or within ``RESEND_COALESCE_S``) as one batch."""
+        queue.resend_timer = None
+        now = time.monotonic()
+        engine = queue.engine
+        max_interval_s = engine.settings.abort.resend_max_interval_s
+        count = 0
+        while queue.resends and queue.resends[0][0] <= now + RESEND_COALESCE_S:
+            _, _, resend = heapq.heappop(queue.resends)
+            if resend.stopped:
+                continue
+            again = _Request(resend.ids, resend.sidecar_id, now, None, len(resend.ids),
+                             resend=resend, first=False)
+            self._enqueue(queue, again)
+            count += len(resend.ids)
+            if resend.advance(max_interval_s):
+                heapq.heappush(queue.resends, (resend.due, next(self._order), resend))
+        if count:
+            self._metrics.abort_resent_ids.labels(engine.name).inc(count)
+        self._arm(queue)
+        if queue.idle() and self._queues.get(engine) is queue:
+            del self._queues[engine]
 
     def _make_room(self, queue: _Queue, request: _Request) -> bool:
         """Fit ``request`` into its engine's full queue; True if it now fits.
@@ -257,6 +377,8 @@ class Aborter:
                     request.sidecar_id, engine.name, queue.waiting_ids, queue.in_flight,
                     request.unsent)
         request.unsent = 0
+        if request.resend is not None:
+            request.resend.stopped = True
         if request.settle("dropped"):
             self._finish(engine, request)
 
@@ -332,27 +454,26 @@ class Aborter:
     async def _post(self, engine: EngineAdapter, call: AbortCall) -> _Answer:
         """One attempt at ``call``, bounded by ``abort.timeout_s``; never raises but
         ``CancelledError`` (any other exception is an ``error`` answer, so a call task always
-        gives back its slot)."""
-        url = engine.base_url + call.path
+        gives back its slot). Written at once on the engine's warm connection
+        (:mod:`sidecar.abort_wire`); a redirect is never followed: the ids (and the key) would
+        go to another origin, and its 200 would say an abort was taken that was not."""
         timeout_s = engine.settings.abort.timeout_s
         sent = time.monotonic()
         try:
             async with asyncio.timeout(timeout_s):
-                # Never follow a redirect: the ids (and the key, were aiohttp to keep it) would
-                # go to another origin, and its 200 would say an abort happened that did not.
-                async with self._session.post(url, json=call.json, allow_redirects=False,
-                                              headers=engine.abort_headers()) as resp:
-                    await resp.read()
-                    status = resp.status
-        except TimeoutError as exc:  # before ClientError: aiohttp's ServerTimeoutError is both
+                status = await self._pool(engine).send(call.path, call.json,
+                                                       engine.abort_headers())
+        except TimeoutError as exc:
             return _Answer("timeout", f"no answer within {timeout_s}s", _TIMEOUT_HINT,
                            time.monotonic() - sent, transient(exc))
-        except aiohttp.ClientError as exc:
-            return _Answer("error", f"{type(exc).__name__}: {exc}", _error_hint(exc),
+        except AbortWireError as exc:
+            return _Answer("error", f"{exc.kind}: {exc}", _ERROR_HINTS[exc.kind],
                            time.monotonic() - sent, transient(exc))
+        except ssl.SSLError as exc:
+            return _Answer("error", f"TLS: {type(exc).__name__}", "a TLS error with the engine",
+                           time.monotonic() - sent, False)
         except Exception as exc:  # noqa: BLE001 - a call must never take its slot with it
-            # Not aiohttp's network errors: a request aiohttp refused to build (e.g. a header
-            # value it forbids). Only the type is logged: the message may quote the header.
+            # Only the type is logged: the message may quote a header.
             return _Answer("error", f"unexpected {type(exc).__name__}", _UNEXPECTED_HINT,
                            time.monotonic() - sent, False)
         took = time.monotonic() - sent
@@ -364,6 +485,8 @@ class Aborter:
     def _settle(self, engine: EngineAdapter, requests: list[_Request], outcome: str) -> None:
         for request in requests:
             request.calls -= 1
+            if outcome != _OK and request.resend is not None:
+                request.resend.stopped = True  # refused or unanswered: re-sending cannot help
             if request.settle(outcome):
                 self._finish(engine, request)
 
@@ -378,7 +501,10 @@ class Aborter:
             del self._queues[queue.engine]
 
     def _finish(self, engine: EngineAdapter, request: _Request) -> None:
-        """Every id of ``request`` was answered (or will never be sent): count and report it."""
+        """Every id of ``request`` was answered (or will never be sent): count and report it
+        (a re-send is counted only in ``abort_calls_total`` and ``abort_resent_ids_total``)."""
+        if not request.first:
+            return
         outcome = request.outcome or _OK
         latency = time.monotonic() - request.noticed_at
         self._metrics.aborted_requests.labels(engine.name, outcome).inc()
@@ -394,8 +520,11 @@ class Aborter:
         if len(requests) > _LOGGED_IDS:
             named += f" (+{len(requests) - _LOGGED_IDS} more)"
         if answer.outcome == _OK:
-            log.info("engine %s aborted %d id(s) of %d request(s) [%s] in %.1f ms (attempt %d "
-                     "of %d)", engine.name, count, len(requests), named, answer.took * 1000,
+            resent = sum(not r.first for r in requests)
+            log.info("engine %s accepted an abort call naming %d id(s) of %d request(s) [%s]%s "
+                     "in %.1f ms (attempt %d of %d; an engine ignores ids it does not know yet)",
+                     engine.name, count, len(requests), named,
+                     f", {resent} of them re-sent" if resent else "", answer.took * 1000,
                      attempt, attempts)
             return
         hint = f" ({answer.hint})" if answer.hint else ""

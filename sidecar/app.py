@@ -18,7 +18,7 @@ from aiohttp import web
 from aiohttp.typedefs import Handler
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
 
-from sidecar.abort import MAX_CONCURRENT_CALLS, Aborter
+from sidecar.abort import Aborter
 from sidecar.cancel import Canceller, add_cancel_route, local_canceller
 from sidecar.config import Settings
 from sidecar.keys import ABORTER, EXCHANGES, METRICS, READINESS, REGISTRY, RUNTIME, SETTINGS, TASKS
@@ -37,19 +37,14 @@ ABORT_DRAIN_S = 5.0
 async def _engines_ctx(app: web.Application) -> AsyncIterator[None]:
     app[TASKS] = tasks = TaskSet()
     app[RUNTIME] = runtimes = Runtimes(Runtime.open(app[SETTINGS]), tasks)
-    abort_session = aiohttp.ClientSession(
-        # Idle abort connections expire like the proxy's (below the engine's own idle
-        # timeout, uvicorn: 5 s), so an abort never meets a connection the engine dropped.
-        connector=aiohttp.TCPConnector(
-            limit=MAX_CONCURRENT_CALLS,
-            keepalive_timeout=app[SETTINGS].upstream.keepalive_timeout_s),
-        cookie_jar=aiohttp.DummyCookieJar(), trust_env=False)
-    app[ABORTER] = Aborter(abort_session, tasks, app[METRICS])
+    # Abort calls go over warm connections of their own (sidecar.abort_wire), opened now.
+    app[ABORTER] = aborter = Aborter(tasks, app[METRICS])
+    aborter.warm(list(runtimes.current.adapters.values()))
     try:
         yield
     finally:
         await tasks.drain(ABORT_DRAIN_S)
-        await asyncio.gather(runtimes.close(), abort_session.close())
+        await asyncio.gather(runtimes.close(), aborter.close())
 
 
 async def _proxy(request: web.Request) -> web.StreamResponse:
@@ -72,7 +67,7 @@ def reload(app: web.Application, settings: Settings) -> tuple[list[str], list[st
     runtimes = app[RUNTIME]
     applied, ignored = describe_changes(runtimes.current.settings, settings)
     if applied:
-        runtimes.swap(settings)
+        app[ABORTER].warm(list(runtimes.swap(settings).adapters.values()))
     return applied, ignored
 
 

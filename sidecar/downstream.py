@@ -105,9 +105,30 @@ def parse_error_reason(exc: HttpProcessingError) -> str:
 
 
 class DownstreamHandler(RequestHandler):
-    """aiohttp's per-connection protocol with JSON error answers (module docstring)."""
+    """aiohttp's per-connection protocol with JSON error answers (module docstring) and a hook
+    for the request in progress when the connection is lost (:attr:`on_lost`)."""
 
-    __slots__ = ()
+    __slots__ = ("on_lost",)
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        # Set by the proxy handler for the request it serves (sidecar.proxy.Exchange
+        # .client_gone): the abort is queued before aiohttp cancels the handler.
+        self.on_lost: Callable[[], None] | None = None
+
+    def connection_lost(self, exc: BaseException | None) -> None:
+        """The client's connection is gone (reset, FIN or half-close: aiohttp's
+        ``eof_received`` lets the transport close). :attr:`on_lost` runs first, then aiohttp's
+        own handling (which cancels the handler: ``handler_cancellation``)."""
+        on_lost, self.on_lost = self.on_lost, None
+        if on_lost is not None:
+            try:
+                on_lost()
+            except Exception:
+                # aiohttp's own cleanup below must still run; the fault is a sidecar bug.
+                log.exception("the disconnect hook failed; the handler's cancellation will "
+                              "still close the upstream and abort")
+        super().connection_lost(exc)
 
     def handle_error(self, request: BaseRequest, status: int = 500,
                      exc: BaseException | None = None,

@@ -23,11 +23,14 @@ requests, run in their own tasks and outlive the handler). JSON fields, in order
                          before_first_byte, awaiting_response, streaming), or null
     cancel_reason        null, or why the sidecar itself ended the request
                          ("cancelled via API": POST /v1/requests/{id}/cancel)
-    abort                null, or the final outcome (after retries) of the call(s) that
-                         carried the request's ids: ok, http_<status>, timeout, error
+    abort                null, or the final outcome (after retries) of the first call(s)
+                         that carried the request's ids: accepted (answered 2xx: the engine
+                         took the call, not proof it knew the ids or stopped anything; the
+                         re-sends inside the registration window come later and are not
+                         waited for), http_<status>, timeout, error
                          (cancelled: the sidecar shut down before the call ended;
                          dropped: the engine's abort queue was full); with several abort
-                         engines (routes[].abort) the first that was not ok over them all
+                         engines (routes[].abort) the first that was not accepted over them all
     abort_latency_s      seconds from noticing the disconnect to that outcome (the slowest
                          engine's), or null
 
@@ -138,7 +141,7 @@ class RequestLog:
         self._pending += 1
 
     def abort_done(self, outcome: str, latency_s: float) -> None:
-        """An abort call ended with ``outcome`` (``ok``, ``http_<status>``, ``timeout``,
+        """An abort call ended with ``outcome`` (``accepted``, ``http_<status>``, ``timeout``,
         ``error``, ``cancelled``, ``dropped``), ``latency_s`` seconds after the disconnect was
         noticed."""
         if self._abort is None or self._abort == _OK:

@@ -48,15 +48,24 @@ class Metrics:
         self.abort_calls = Counter(
             "cancel_sidecar_abort_calls_total",
             "HTTP calls to an engine abort endpoint (one call carries the ids of many requests; "
-            "each attempt of a retried call counts), by engine and outcome (ok, http_<status>, "
-            "timeout, error).",
+            "each attempt of a retried call counts, re-sends too), by engine and outcome "
+            "(accepted: answered 2xx, which does not say the engine knew the ids; "
+            "http_<status>, timeout, error).",
             ["engine", "outcome"], registry=registry)
+        self.abort_resent_ids = Counter(
+            "cancel_sidecar_abort_resent_ids_total",
+            "Engine request ids named again in abort re-sends, by engine: a request that ended "
+            "within engines.*.abort.resend_window_s of the engine getting its whole body has "
+            "its ids re-sent while the engine may still be registering them (an engine ignores "
+            "an abort for an id it does not know yet).",
+            ["engine"], registry=registry)
         self.aborted_requests = Counter(
             "cancel_sidecar_aborted_requests_total",
             "Requests whose engine ids the sidecar set out to abort, by engine and the final "
-            "outcome of the call that carried them, after its retries (ok, http_<status>, "
-            "timeout, error; dropped: the engine's abort queue was full, never sent; cancelled: "
-            "the sidecar stopped first).",
+            "outcome of the first call that carried them, after its retries (accepted: the "
+            "engine answered 2xx, not proof that it stopped anything; http_<status>, timeout, "
+            "error; dropped: the engine's abort queue was full, never sent; cancelled: the "
+            "sidecar stopped first). Re-sends are not counted here.",
             ["engine", "outcome"], registry=registry)
         self.unabortable = Counter(
             "cancel_sidecar_unabortable_requests_total",
@@ -68,8 +77,8 @@ class Metrics:
             ["engine", "reason"], registry=registry)
         self.abort_latency = Histogram(
             "cancel_sidecar_abort_latency_seconds",
-            "Per aborted request: time from the sidecar noticing its client's disconnect to the "
-            "engine acknowledging the abort call that carried its ids.",
+            "Per request whose abort was accepted: time from the sidecar noticing its client's "
+            "disconnect to the engine's 2xx answer to the first call that carried its ids.",
             ["engine"], buckets=_FAST_BUCKETS, registry=registry)
         self.upstream_errors = Counter(
             "cancel_sidecar_upstream_errors_total",

@@ -38,7 +38,9 @@ import socket
 import struct
 import time
 import uuid
+from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Protocol, runtime_checkable
 
 import aiohttp
 from aiohttp import web
@@ -150,6 +152,12 @@ class Exchange:
         self.tail = b""  # the last chunk relayed: does the stream end between SSE events?
         self.task = asyncio.current_task()  # the handler's, cancelled by the cancel API
         self.ending: Ending | None = None  # set when the sidecar asks to end the request
+        self.sent_at: float | None = None  # time.monotonic() when the upstream request started
+        # Stopping: the abort queued and the upstream closed at noticed_at (time.monotonic()),
+        # then recorded (metrics, log) by the handler; aborting: engine ids queued.
+        self.noticed_at: float | None = None
+        self.stop_recorded = False
+        self.aborting = 0
         self.access = RequestLog(self.id, request.method, request.path, target.prefix,
                                  target.engine.name, request.headers.get(REQUEST_ID))
 
@@ -167,7 +175,7 @@ class Exchange:
         except DownstreamError as exc:
             return await self._refuse_body(exc)
 
-        started = time.monotonic()
+        started = self.sent_at = time.monotonic()
         try:
             upstream = await open_upstream(
                 self.runtime.sessions, settings, request.method,
@@ -271,8 +279,20 @@ class Exchange:
         the engine. Only a disconnect counts in ``client_disconnects_total``."""
         if self.saw_done_event:
             self.close()  # the engine had finished: nothing to abort
-        if not self.upstream_finished:
+        if not self.upstream_finished or (self.noticed_at is not None and not self.stop_recorded):
             self._stop(reason, disconnect=disconnect)
+
+    def client_gone(self) -> None:
+        """The client's connection was lost: called from the downstream protocol's
+        ``connection_lost`` (:class:`sidecar.downstream.DownstreamHandler`), before aiohttp
+        cancels the handler. The abort is queued and the upstream closed right here, so when many
+        clients leave at once every abort is on the wire before any of their handlers' teardown
+        (metrics, logs, access lines) runs; the cancelled handler records the rest
+        (:meth:`cancel`). Nothing to do if the response was complete, the engine had finished
+        (``data: [DONE]``) or the sidecar is ending the request itself."""
+        if self.upstream_finished or self.saw_done_event or self.ending is not None:
+            return
+        self._abort_now(time.monotonic())
 
     def close(self) -> None:
         """Last step of every request: a response not read to its end is never pooled again."""
@@ -280,25 +300,34 @@ class Exchange:
             self.upstream.close()
             self.upstream_finished = True
 
-    def _stop(self, reason: str, *, disconnect: bool) -> None:
-        noticed_at = time.monotonic()
+    def _abort_now(self, noticed_at: float) -> None:
+        """Queue the abort at every abort engine (if the engine had the whole body) and close
+        the upstream; the part of stopping that cannot wait. Once per request."""
+        self.noticed_at = noticed_at
         body = self.body.copy() if self.body else None
         phase = self.phase = self._phase(body)
-        if disconnect:
-            self.metrics.disconnects.labels(self.target.prefix, phase).inc()
-        aborting = 0
         if phase != "request_body":
+            body_sent_at = self.body.sent_at if self.body and self.body.sent_at else self.sent_at
             # One call per abort engine (routes[].abort), queued in this same loop turn: the
             # engines' calls run concurrently, each with the ids its own kind derives.
             for engine in self.target.aborts:
                 ids = self._engine_ids(engine, body)
                 if ids:
-                    self.aborter.abort(engine, ids, self.id, noticed_at, self.access)
-                    aborting += len(ids)
+                    self.aborter.abort(engine, ids, self.id, noticed_at, self.access,
+                                       body_sent_at)
+                    self.aborting += len(ids)
         if self.upstream is not None:
             self.upstream.close()
         self.upstream_finished = True
-        log.info("request %s: %s during %s; upstream closed, %s", self.id, reason, phase,
+
+    def _stop(self, reason: str, *, disconnect: bool) -> None:
+        if self.noticed_at is None:
+            self._abort_now(time.monotonic())
+        self.stop_recorded = True
+        if disconnect:
+            self.metrics.disconnects.labels(self.target.prefix, str(self.phase)).inc()
+        aborting = self.aborting
+        log.info("request %s: %s during %s; upstream closed, %s", self.id, reason, self.phase,
                  f"aborting {aborting} engine id(s)" if aborting else "nothing to abort")
 
     def _engine_ids(self, engine: EngineAdapter, body: bytes | None) -> tuple[str, ...]:
@@ -485,6 +514,14 @@ class Exchange:
         return response
 
 
+@runtime_checkable
+class LossHook(Protocol):
+    """A downstream protocol that calls ``on_lost`` (once, then forgets it) when its connection
+    is lost, before aiohttp cancels the handler: :class:`sidecar.downstream.DownstreamHandler`."""
+
+    on_lost: Callable[[], None] | None
+
+
 def _refuse(request: web.Request, status: int, message: str, error_type: str) -> web.Response:
     """A request the proxy answers itself, with its own access line."""
     response = error_response(status, message, error_type)
@@ -544,6 +581,10 @@ async def handle(request: web.Request, runtime: Runtime) -> web.StreamResponse:
              else loop.call_at(received + deadline, exchange.request_cancel, DEADLINE))
     exchanges = request.app[EXCHANGES]
     exchanges[exchange.id] = exchange
+    protocol = request.protocol
+    hook = protocol if isinstance(protocol, LossHook) else None
+    if hook is not None:
+        hook.on_lost = exchange.client_gone
     in_flight = metrics.in_flight.labels(target.prefix)
     in_flight.inc()
     status_class = "disconnected"  # or "cancelled": the sidecar ended it (shutdown, cancel API,
@@ -580,6 +621,8 @@ async def handle(request: web.Request, runtime: Runtime) -> web.StreamResponse:
     finally:
         if timer is not None:
             timer.cancel()
+        if hook is not None:
+            hook.on_lost = None
         del exchanges[exchange.id]
         exchange.close()
         in_flight.dec()

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 from collections.abc import AsyncIterator, Mapping
 
 import aiohttp
@@ -114,6 +115,9 @@ class RequestBody:
         self._keep_limit = keep_limit
         self._limits = limits or _NO_LIMITS
         self.complete = content is None or content.at_eof()
+        # time.monotonic() when the last byte was handed upstream (None: complete from the
+        # start, e.g. in memory; it goes out when the upstream request is sent)
+        self.sent_at: float | None = None
         self.failure: DownstreamError | None = None
 
     @classmethod
@@ -171,6 +175,7 @@ class RequestBody:
                     self._kept = None
             yield chunk
         self.complete = True
+        self.sent_at = time.monotonic()
 
 
 async def open_upstream(

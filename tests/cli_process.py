@@ -32,7 +32,8 @@ def config_tree(engine_url: str, *, api_key: str = "cli-key", grace_s: float = 5
         "listen": {"host": "127.0.0.1", "port": 0},
         "admin": {"host": "127.0.0.1", "port": 0},
         "engines": {"local": {"kind": "vllm", "url": engine_url,
-                              "abort": {"api_key": api_key, "timeout_s": 2.0}}},
+                              "abort": {"api_key": api_key, "timeout_s": 2.0,
+                                        "resend_window_s": 0}}},  # first call only
         "routes": [{"prefix": "/", "engine": "local"}],
         "lifecycle": {"grace_period_s": grace_s},
         "log_level": "DEBUG",

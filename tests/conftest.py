@@ -54,7 +54,10 @@ def sidecar_settings(engine_url: str, **overrides: Any) -> Settings:
         "listen": {"host": "127.0.0.1", "port": 0},
         "admin": {"host": "127.0.0.1", "port": 0},
         "engines": {"local": {"kind": "vllm", "url": engine_url,
-                              "abort": {"api_key": "sekret-key", "timeout_s": 2.0}}},
+                              "abort": {"api_key": "sekret-key", "timeout_s": 2.0,
+                                        # one call per request: these tests count the
+                                        # first call; the re-sends have tests of their own
+                                        "resend_window_s": 0}}},
         "routes": [{"prefix": "/", "engine": "local"}],
     }
     for key, value in overrides.items():

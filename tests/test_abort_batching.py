@@ -205,7 +205,8 @@ async def test_calls_in_flight_are_bounded_and_the_slot_wait_is_not_timed(
     more than ``timeout_s``: they still end ok, since the timeout bounds the call alone."""
     delay_s, timeout_s, extra = 0.8, 1.2, 4
     engine.record.abort_delay = delay_s
-    engines = {"local": {"kind": "vllm", "url": engine.url, "abort": {"timeout_s": timeout_s}}}
+    engines = {"local": {"kind": "vllm", "url": engine.url, "abort": {"timeout_s": timeout_s,
+                                                                    "resend_window_s": 0}}}
     servers: Servers = await start_sidecar(sidecar_settings(engine.url, engines=engines))
     port, admin = servers.proxy_port, servers.admin_port or 0
     waves = MAX_CALLS_PER_ENGINE + extra

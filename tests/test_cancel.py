@@ -286,7 +286,8 @@ async def cli_sidecar(tmp_path: Path, engine: FakeEngine) -> AsyncIterator[tuple
         "listen": {"host": "127.0.0.1", "port": 0},
         "admin": {"host": "127.0.0.1", "port": 0},
         "engines": {"local": {"kind": "vllm", "url": engine.url,
-                              "abort": {"api_key": CLI_KEY, "timeout_s": 1.0}}},
+                              "abort": {"api_key": CLI_KEY, "timeout_s": 1.0,
+                                        "resend_window_s": 0}}},
         "routes": [{"prefix": "/", "engine": "local"}],
         "log_level": "DEBUG",
     }))

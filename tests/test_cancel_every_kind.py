@@ -77,7 +77,8 @@ class Kind:
 
 
 def _abortable(kind: str) -> Callable[[str], dict[str, Any]]:
-    return lambda url: {"kind": kind, "url": url, "abort": {"api_key": API_KEY, "timeout_s": 2.0}}
+    return lambda url: {"kind": kind, "url": url, "abort": {"api_key": API_KEY, "timeout_s": 2.0,
+                                                                    "resend_window_s": 0}}
 
 
 KINDS: dict[str, Kind] = {

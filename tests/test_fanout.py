@@ -71,7 +71,8 @@ class Deployment:
     def settings(self, abort: dict[str, dict[str, Any]] | None = None) -> Settings:
         """The fan-out config; ``abort`` adds to an engine's ``abort`` section."""
         def vllm(name: str) -> dict[str, Any]:
-            section = {"api_key": API_KEY, "timeout_s": 2.0, **(abort or {}).get(name, {})}
+            section = {"api_key": API_KEY, "timeout_s": 2.0, "resend_window_s": 0,
+                       **(abort or {}).get(name, {})}
             return {"kind": "vllm", "url": self[name].url, "abort": section}
 
         tree = {
@@ -202,7 +203,7 @@ async def test_mixed_kinds_each_stop_the_work_under_their_own_ids(
     for fake in (prefill, decode, router):
         await fake.start()
     try:
-        abort = {"api_key": API_KEY, "timeout_s": 2.0}
+        abort = {"api_key": API_KEY, "timeout_s": 2.0, "resend_window_s": 0}
         tree = {
             "listen": {"host": "127.0.0.1", "port": 0}, "admin": {"host": "127.0.0.1", "port": 0},
             "engines": {"router": {"kind": "openai", "url": router.url},

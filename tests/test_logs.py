@@ -73,7 +73,7 @@ async def cli(tmp_path: Path, engine: FakeEngine, *args: str,
         "admin": {"host": "127.0.0.1", "port": 0},
         "engines": {
             "local": {"kind": "vllm", "url": engine.url,
-                      "abort": {"api_key": ABORT_KEY, "timeout_s": 2.0}},
+                      "abort": {"api_key": ABORT_KEY, "timeout_s": 2.0, "resend_window_s": 0}},
             "down": {"kind": "vllm", "url": f"http://127.0.0.1:{refused_port()}"}},
         "routes": [{"prefix": "/down", "engine": "down"}, {"prefix": "/", "engine": "local"}],
         **config,

@@ -70,7 +70,7 @@ async def until_metrics(stalls: Stalls, admin: int, what: str,
 
 def sidecar_config(engine: FakeEngine) -> dict[str, Any]:
     def vllm(url: str, path: str | None = None, timeout_s: float = 2.0) -> dict[str, Any]:
-        abort: dict[str, Any] = {"timeout_s": timeout_s}
+        abort: dict[str, Any] = {"timeout_s": timeout_s, "resend_window_s": 0}
         if path is not None:
             abort["path"] = path
         return {"kind": "vllm", "url": url, "abort": abort}

@@ -153,7 +153,8 @@ def test_ids_of_concurrent_requests_never_prefix_each_other(
 
 def sglang_settings(url: str) -> Settings:
     return sidecar_settings(url, engines={"local": {"kind": "sglang", "url": url,
-                                                    "abort": {"timeout_s": 2.0}}},
+                                                    "abort": {"timeout_s": 2.0,
+                                                              "resend_window_s": 0}}},
                             lifecycle={"grace_period_s": 1.0})
 
 

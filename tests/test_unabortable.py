@@ -49,7 +49,8 @@ SID = "0123456789abcdef0123456789abcdef"
 def sglang_config(url: str, **overrides: Any) -> Settings:
     # A short grace: a failing test leaves a stream open, and teardown should not wait 30 s.
     return sidecar_settings(url, engines={"local": {"kind": "sglang", "url": url,
-                                                    "abort": {"timeout_s": 2.0}}},
+                                                    "abort": {"timeout_s": 2.0,
+                                                              "resend_window_s": 0}}},
                             lifecycle={"grace_period_s": 1.0}, **overrides)
 
 

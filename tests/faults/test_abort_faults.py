@@ -92,7 +92,8 @@ FAULTS: dict[str, Fault] = {
     "http_500": Fault(1, {"http_500": 1}, "http_500", ABORT_STATUS_HINTS[500]),
     "http_503": Fault(1 + RETRIES, {"http_503": 1 + RETRIES}, "http_503",
                       ABORT_STATUS_HINTS[503]),
-    "http_503_then_ok": Fault(2, {"http_503": 1, "accepted": 1}, "accepted", ABORT_STATUS_HINTS[503]),
+    "http_503_then_ok": Fault(2, {"http_503": 1, "accepted": 1}, "accepted",
+                              ABORT_STATUS_HINTS[503]),
     "reset": Fault(1 + RETRIES, {"error": 1 + RETRIES}, "error",
                    "the connection was lost before an answer"),
     "refused": Fault(0, {"error": 1 + RETRIES}, "error",
@@ -148,7 +149,8 @@ async def arrange(engine: FakeEngine, fault: str) -> tuple[dict[str, Any], str, 
     elif fault.startswith("http_"):
         record.abort_status = int(fault[5:])
     config = {"kind": "vllm", "url": url, "abort": {"path": path, "api_key": API_KEY,
-                                                    "timeout_s": timeout_s, "retries": RETRIES}}
+                                                    "timeout_s": timeout_s, "retries": RETRIES,
+                                                    "resend_window_s": 0}}
     return config, path, site
 
 
@@ -313,7 +315,8 @@ async def test_hanging_abort_endpoint_queues_at_most_max_queued_ids_then_drains(
     caplog.set_level(logging.INFO)
     engine.record.abort_gate = gate = asyncio.Event()  # every abort call hangs until set
     engines = {FAILING: {"kind": "vllm", "url": engine.url,
-                         "abort": {"api_key": API_KEY, "timeout_s": 60.0}}}
+                         "abort": {"api_key": API_KEY, "timeout_s": 60.0,
+                                   "resend_window_s": 0}}}
     servers: Servers = await start_sidecar(sidecar_settings(
         engine.url, engines=engines, routes=[{"prefix": "/", "engine": FAILING}]))
     port, admin = servers.proxy_port, servers.admin_port or 0
@@ -394,7 +397,8 @@ async def test_one_huge_request_never_crowds_out_small_ones(
     caplog.set_level(logging.INFO)
     engine.record.abort_gate = gate = asyncio.Event()
     engines = {FAILING: {"kind": "vllm", "url": engine.url,
-                         "abort": {"api_key": API_KEY, "timeout_s": 60.0}}}
+                         "abort": {"api_key": API_KEY, "timeout_s": 60.0,
+                                   "resend_window_s": 0}}}
     servers: Servers = await start_sidecar(sidecar_settings(
         engine.url, engines=engines, routes=[{"prefix": "/", "engine": FAILING}]))
     port, admin = servers.proxy_port, servers.admin_port or 0
@@ -444,7 +448,8 @@ async def test_aborts_pending_at_stop_end_cancelled(
     caplog.set_level(logging.INFO)
     engine.record.abort_gate = asyncio.Event()  # never set: the endpoint hangs
     engines = {"local": {"kind": "vllm", "url": engine.url,
-                         "abort": {"api_key": API_KEY, "timeout_s": 60.0}}}
+                         "abort": {"api_key": API_KEY, "timeout_s": 60.0,
+                                   "resend_window_s": 0}}}
     registry = CollectorRegistry()
     servers: Servers = await start_sidecar(sidecar_settings(engine.url, engines=engines),
                                            registry)

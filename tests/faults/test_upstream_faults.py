@@ -579,7 +579,8 @@ async def test_upstream_fault_aborts_per_kind_spares_other_streams_and_leaks_no_
         servers = await start_sidecar(sidecar_settings(
             engine.url,
             engines={"faulty": {"kind": "vllm", "url": f.url,
-                                "abort": {"api_key": "sekret-key", "timeout_s": 2.0}}},
+                                "abort": {"api_key": "sekret-key", "timeout_s": 2.0,
+                                          "resend_window_s": 0}}},
             routes=[{"prefix": CHAT, "engine": "faulty"}, {"prefix": "/", "engine": "local"}],
             upstream={"connect_timeout_s": 0.3, "first_byte_timeout_s": 0.5,
                       "read_timeout_s": READ_TIMEOUT_S}))

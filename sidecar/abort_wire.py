@@ -1,0 +1,255 @@
+"""The abort call's wire: warm HTTP/1.1 keep-alive connections per engine, written to at once.
+
+Why not aiohttp's client here (it serves every proxied request): an abort must be on the wire
+before the sidecar spends time on anything else for the requests whose clients left (their
+handlers' teardown, access lines, metrics), and when many clients leave at once that is
+hundreds of handler steps. aiohttp 3.14's ``ClientSession.post`` writes the request body from a
+task of its own (``ClientRequest.send`` starts ``write_bytes``; eagerly only on Python 3.12+),
+a loop turn later, behind every handler the same disconnect storm woke; and it opens a
+connection only when asked, so the first abort after an idle spell (the engine closes idle
+connections: uvicorn after 5 s) also waits for a TCP handshake. Here :meth:`AbortPool.send`
+writes the whole call into a socket that is already open, in the caller's own step, and returns
+a future for the answer::
+
+    AbortPool (one per engine origin)
+      idle   WARM connections kept open; one that closes is reopened; one idle for RECYCLE_S is
+             closed and replaced, so the engine's own idle timeout (uvicorn: 5 s) never closes
+             a connection under a call
+      send   an idle connection: transport.write(head + body) now, future of the status;
+             none idle: open one (a handshake), then write
+    AbortConnection (asyncio.Protocol): one call at a time, the answer parsed by httptools
+      (llhttp, the parser uvicorn uses); closed on Connection: close, a timeout or bad bytes
+
+Only what an abort call needs: ``POST`` with a JSON body and the bearer key, a status back, the
+answer body read and dropped, never a redirect followed. Failures raise :class:`AbortWireError`
+(``transient``: worth another attempt, as :func:`sidecar.abort.transient` decides for statuses).
+A call written to a reused connection that the engine closed before answering (it closed its
+idle end just as the call went out) is written once more on a fresh connection at once:
+re-sending an abort is safe (see :mod:`sidecar.abort`).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import ssl
+from collections import deque
+from typing import Any, cast
+from urllib.parse import urlsplit
+
+import httptools
+
+from sidecar.errors import SidecarError
+
+log = logging.getLogger(__name__)
+
+WARM = 1  # idle connections kept open per engine
+RECYCLE_S = 4.0  # an idle connection older than this is replaced (uvicorn closes idle ones at 5 s)
+REOPEN_BACKOFF_S = 1.0  # between attempts to reopen the warm connection of an unreachable engine
+MAX_IDLE = 4  # idle connections kept after a burst of concurrent calls
+
+
+class AbortWireError(SidecarError):
+    """An abort call got no answer: ``kind`` is ``connect`` (nothing accepts connections),
+    ``lost`` (the connection closed before the answer) or ``protocol`` (an answer that is not
+    HTTP/1.x); ``transient`` for the first two."""
+
+    def __init__(self, kind: str, message: str) -> None:
+        super().__init__(message)
+        self.kind = kind
+        self.transient = kind in ("connect", "lost")
+
+
+class AbortConnection(asyncio.Protocol):
+    """One keep-alive connection to an engine; one call in flight at a time."""
+
+    def __init__(self, pool: AbortPool) -> None:
+        self._pool = pool
+        self._parser = httptools.HttpResponseParser(self)
+        self.transport: asyncio.Transport | None = None
+        self.answer: asyncio.Future[int] | None = None  # the call in flight
+        self.answered_any = False  # a reused connection: a loss before any answer is stale
+        self.idle_since = 0.0
+        self._got_bytes = False
+
+    # asyncio.Protocol
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        self.transport = cast(asyncio.Transport, transport)  # uvloop's is no subclass of it
+
+    def data_received(self, data: bytes) -> None:
+        self._got_bytes = True
+        try:
+            self._parser.feed_data(data)
+        except httptools.HttpParserError as exc:
+            self._fail(AbortWireError("protocol", f"not an HTTP answer: {type(exc).__name__}"))
+            self.close()
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self.transport = None
+        self._fail(AbortWireError("lost", "the connection was lost before an answer"))
+        self._pool.lost(self)
+
+    # httptools callbacks
+    def on_message_complete(self) -> None:
+        answer, self.answer = self.answer, None
+        self.answered_any = True
+        keep = self._parser.should_keep_alive()
+        if answer is not None and not answer.done():
+            answer.set_result(self._parser.get_status_code())
+        if keep and self.transport is not None and not self.transport.is_closing():
+            self._pool.idle_again(self)
+        else:
+            self.close()
+
+    def send(self, data: bytes) -> asyncio.Future[int]:
+        """Write one call; the future gets the answer's status or an :class:`AbortWireError`."""
+        assert self.transport is not None and self.answer is None
+        self.answer = asyncio.get_running_loop().create_future()
+        self._got_bytes = False
+        self.transport.write(data)
+        return self.answer
+
+    @property
+    def stale_loss(self) -> bool:
+        """True if the call in flight met a reused connection the engine had closed: nothing of
+        an answer came back, so it can be written again on a new connection."""
+        return self.answered_any and not self._got_bytes
+
+    def close(self) -> None:
+        if self.transport is not None:
+            self.transport.close()
+
+    def _fail(self, exc: AbortWireError) -> None:
+        answer, self.answer = self.answer, None
+        if answer is not None and not answer.done():
+            answer.set_exception(exc)
+
+
+class AbortPool:
+    """The abort connections of one engine origin (``base_url``: ``http[s]://host:port``)."""
+
+    def __init__(self, base_url: str, *, warm: bool = True) -> None:
+        parts = urlsplit(base_url)
+        self.warm = warm  # keep WARM connections open; else idle ones just expire
+        self._secure = parts.scheme == "https"
+        self._host = parts.hostname or ""
+        self._port = parts.port or (443 if self._secure else 80)
+        self._authority = parts.netloc.encode("idna")
+        self._idle: deque[AbortConnection] = deque()
+        self._keeping = False  # the warm connection is being (re)opened
+        self._closed = False
+        self._loop = asyncio.get_running_loop()
+        self._recycler: asyncio.TimerHandle | None = None
+        self._keeper: asyncio.Task[None] | None = None
+
+    def start(self) -> None:
+        """Open the warm connection of a ``warm`` pool (in the background; an engine not up yet
+        is retried every ``REOPEN_BACKOFF_S``)."""
+        self._keep_warm()
+
+    async def send(self, path: str, body: Any, headers: dict[str, str]) -> int:
+        """``POST path`` with ``body`` as JSON and ``headers``; the answer's status. Written in
+        the caller's step when a warm connection is idle. Raises :class:`AbortWireError`;
+        ``asyncio.CancelledError`` closes the connection (its answer would be unread)."""
+        data = self._request(path, body, headers)
+        conn = self._take_idle()
+        if conn is None:
+            conn = await self._open()
+        try:
+            return await conn.send(data)
+        except AbortWireError as exc:
+            if not (exc.kind == "lost" and conn.stale_loss):
+                raise
+            # The engine closed its idle end as the call went out: once more, on a new one.
+            return await (await self._open()).send(data)
+        except BaseException:
+            conn.close()
+            raise
+        finally:
+            self._keep_warm()
+
+    def _request(self, path: str, body: Any, headers: dict[str, str]) -> bytes:
+        payload = json.dumps(body, separators=(",", ":")).encode()
+        # Header values come from validated config (abort.api_key: no control characters).
+        lines = [f"POST {path} HTTP/1.1".encode(), b"Host: " + self._authority,
+                 b"Content-Type: application/json", b"Content-Length: %d" % len(payload),
+                 *(f"{k}: {v}".encode("latin-1") for k, v in headers.items())]
+        return b"\r\n".join(lines) + b"\r\n\r\n" + payload
+
+    def _take_idle(self) -> AbortConnection | None:
+        while self._idle:
+            conn = self._idle.pop()  # the most recently used: the least likely to be stale
+            if conn.transport is not None and not conn.transport.is_closing():
+                return conn
+        return None
+
+    async def _open(self) -> AbortConnection:
+        try:
+            _, conn = await self._loop.create_connection(
+                lambda: AbortConnection(self), self._host, self._port,
+                ssl=ssl.create_default_context() if self._secure else None)
+        except ssl.SSLError:
+            raise
+        except OSError as exc:
+            raise AbortWireError("connect", f"{type(exc).__name__}: {exc}") from exc
+        return conn
+
+    def idle_again(self, conn: AbortConnection) -> None:
+        if self._closed or len(self._idle) >= MAX_IDLE:
+            conn.close()
+            return
+        conn.idle_since = self._loop.time()
+        self._idle.append(conn)
+        if self._recycler is None:
+            self._recycler = self._loop.call_later(RECYCLE_S, self._recycle)
+
+    def lost(self, conn: AbortConnection) -> None:
+        if conn in self._idle:
+            self._idle.remove(conn)
+        self._keep_warm()
+
+    def _recycle(self) -> None:
+        """Replace idle connections older than ``RECYCLE_S``, before the engine drops them."""
+        self._recycler = None
+        now = self._loop.time()
+        for conn in [c for c in self._idle if now - c.idle_since >= RECYCLE_S]:
+            self._idle.remove(conn)
+            conn.close()  # its connection_lost reopens the warm one (a warm pool)
+        if self._idle:
+            oldest = min(c.idle_since for c in self._idle)
+            self._recycler = self._loop.call_at(oldest + RECYCLE_S, self._recycle)
+
+    def _keep_warm(self) -> None:
+        if not self.warm or self._closed or self._keeping or len(self._idle) >= WARM:
+            return
+        self._keeping = True
+        # Not a TaskSet task: it lives as long as the pool (an unreachable engine is retried
+        # forever) and must not hold the shutdown drain; close() cancels it. Strongly held.
+        self._keeper = self._loop.create_task(
+            self._reopen(), name=f"abort connection {self._host}:{self._port}: keep warm")
+
+    async def _reopen(self) -> None:
+        try:
+            while not self._closed and len(self._idle) < WARM:
+                try:
+                    conn = await self._open()
+                except (AbortWireError, ssl.SSLError) as exc:
+                    log.debug("abort connection to %s:%d: %s; retrying in %.0f s", self._host,
+                              self._port, exc, REOPEN_BACKOFF_S)
+                    await asyncio.sleep(REOPEN_BACKOFF_S)
+                    continue
+                self.idle_again(conn)
+        finally:
+            self._keeping = False
+
+    async def close(self) -> None:
+        """Close every connection and stop keeping one warm."""
+        self._closed = True
+        if self._recycler is not None:
+            self._recycler.cancel()
+        if self._keeper is not None and not self._keeper.done():
+            self._keeper.cancel()
+            await asyncio.gather(self._keeper, return_exceptions=True)
+        while self._idle:
+            self._idle.pop().close()
