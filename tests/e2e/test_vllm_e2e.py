@@ -101,12 +101,17 @@ def model_dir() -> Path:
 
 @contextmanager
 def running_engine(model_dir: Path, tmp_path_factory: pytest.TempPathFactory, *,
-                   enable_scale_out: bool = True) -> Iterator[VLLMServer]:
-    """vLLM on the tiny model with the disconnect-hiding middleware; stopped at the end."""
+                   enable_scale_out: bool = True,
+                   extra_env: dict[str, str] | None = None,
+                   startup_timeout: float = 180.0) -> Iterator[VLLMServer]:
+    """vLLM on the tiny model with the disconnect-hiding middleware; stopped at the end.
+    ``extra_env``: more environment for the server (e.g. ``VLLM_SERVER_DEV_MODE``);
+    ``startup_timeout``: seconds until ``/health`` answers and the warm-up is done."""
     log = tmp_path_factory.mktemp("vllm") / "vllm.log"
     server = start_vllm_server(model_dir, max_model_len=MAX_MODEL_LEN, log_path=log,
                                middleware=[HIDE_DISCONNECT_MIDDLEWARE],
-                               enable_scale_out=enable_scale_out)
+                               enable_scale_out=enable_scale_out, extra_env=extra_env,
+                               startup_timeout=startup_timeout)
     try:
         yield server
     finally:
