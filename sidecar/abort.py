@@ -80,7 +80,7 @@ log = logging.getLogger(__name__)
 MAX_CALLS_PER_ENGINE = 8
 MAX_CONCURRENT_CALLS = 64  # over all engines; also the abort session's pool size (sidecar.app)
 MAX_QUEUED_IDS = 16384  # per engine, waiting for a slot: at most ~8 MB held while an engine hangs
-RESEND_SLOTS = MAX_CALLS_PER_ENGINE - 2  # re-sends never take the last slots: first calls go first
+RESEND_SLOTS = 2  # re-sends start only while fewer calls are in flight: first calls go first
 _LOGGED_IDS = 8  # sidecar request ids named in a call's log line; the access lines have the rest
 RETRY_BACKOFF_S = 0.05  # before the first retry, seconds; doubles for each further one
 RETRY_BACKOFF_MAX_S = 1.0
@@ -198,6 +198,7 @@ class _Queue:
     flush_token: object = None  # the scheduled flush task's, so a stale done-callback is known
     resends: list[tuple[float, int, _Resend]] = field(default_factory=list)  # heap by due
     resend_timer: asyncio.TimerHandle | None = None
+    resend_at: float = 0.0  # time.monotonic() the timer is set for
 
     def take(self, limit: int, *, resends: bool) -> tuple[tuple[str, ...], list[_Request]]:
         """Up to ``limit`` waiting ids, oldest first, first calls before re-sends (those only if
@@ -350,14 +351,18 @@ class Aborter:
         self._arm(queue)
 
     def _arm(self, queue: _Queue) -> None:
-        """One timer per engine, at its earliest re-send."""
+        """One timer per engine, at its earliest re-send (moved only when that gets earlier:
+        a storm of aborts pushes its re-sends without a timer each)."""
+        if not queue.resends:
+            return
+        due = queue.resends[0][0]
         if queue.resend_timer is not None:
+            if queue.resend_at <= due:
+                return
             queue.resend_timer.cancel()
-            queue.resend_timer = None
-        if queue.resends:
-            delay = max(0.0, queue.resends[0][0] - time.monotonic())
-            queue.resend_timer = asyncio.get_running_loop().call_later(
-                delay, self._resend_due, queue)
+        queue.resend_at = due
+        queue.resend_timer = asyncio.get_running_loop().call_later(
+            max(0.0, due - time.monotonic()), self._resend_due, queue)
 
     def _resend_due(self, queue: _Queue) -> None:
         """Queue every re-send due now (or within ``RESEND_COALESCE_S``) as one batch."""

@@ -294,7 +294,7 @@ class Exchange:
         (``data: [DONE]``) or the sidecar is ending the request itself."""
         if self.upstream_finished or self.saw_done_event or self.ending is not None:
             return
-        self._abort_now(time.monotonic())
+        self._abort_now(time.monotonic(), close_soon=True)
 
     def close(self) -> None:
         """Last step of every request: a response not read to its end is never pooled again."""
@@ -302,9 +302,11 @@ class Exchange:
             self.upstream.close()
             self.upstream_finished = True
 
-    def _abort_now(self, noticed_at: float) -> None:
+    def _abort_now(self, noticed_at: float, *, close_soon: bool = False) -> None:
         """Queue the abort at every abort engine (if the engine had the whole body) and close
-        the upstream; the part of stopping that cannot wait. Once per request."""
+        the upstream; the part of stopping that cannot wait. Once per request. ``close_soon``:
+        close it in a callback of its own, queued behind the abort flush (which the first abort
+        queued in this loop turn scheduled), so the abort call is on the wire first."""
         self.noticed_at = noticed_at
         body = self.body.copy() if self.body else None
         phase = self.phase = self._phase(body)
@@ -316,7 +318,10 @@ class Exchange:
                 self.aborter.abort(engine, ids, self.id, noticed_at, self.access, body_sent_at)
                 self.aborting += len(ids)
         if self.upstream is not None:
-            self.upstream.close()
+            if close_soon:
+                asyncio.get_running_loop().call_soon(self.upstream.close)
+            else:
+                self.upstream.close()
         self.upstream_finished = True
 
     def _stop(self, reason: str, *, disconnect: bool) -> None:

@@ -418,6 +418,8 @@ class KindEngine:
                 self.watch.changed()
             await _wait(work.stop, interval)
         reason = "abort" if work.stop.is_set() else "stop"
+        if work.stop.is_set():  # as for JSON above: the sidecar's close may follow its abort
+            await self._until_closed(request, work)
         await response.write(_sse({"id": ident, "choices": [{"index": 0, "text": "",
                                                              "finish_reason": reason}]}))
         await response.write(b"data: [DONE]\n\n")
