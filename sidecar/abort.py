@@ -309,10 +309,11 @@ class Aborter:
         if body_sent_at is not None and window_s > 0 and not self._closed:
             until = body_sent_at + window_s
             if until > noticed_at:
+                # Scheduled once the first call is accepted (_finish): a refused one (403
+                # without --enable-scale-out) gets no re-send at all.
                 request.resend = _Resend(ids, sidecar_id, until,
                                          min(noticed_at + RESEND_FIRST_S, until),
                                          RESEND_FIRST_S)
-                self._schedule_resend(queue, request.resend)
         self._enqueue(queue, request)
 
     def _enqueue(self, queue: _Queue, request: _Request) -> None:
@@ -549,6 +550,13 @@ class Aborter:
         if not request.first:
             return
         outcome = request.outcome or _OK
+        resend = request.resend
+        if resend is not None and outcome == _OK and not resend.stopped and not self._closed:
+            queue = self._queues.get(engine)
+            if queue is None:
+                queue = self._queues[engine] = _Queue(engine)
+            resend.due = min(max(resend.due, time.monotonic()), resend.until)
+            self._schedule_resend(queue, resend)
         latency = time.monotonic() - request.noticed_at
         self._metrics.aborted_requests.labels(engine.name, outcome).inc()
         if outcome == _OK:
