@@ -299,9 +299,7 @@ class Aborter:
         """
         if not ids:
             raise ValueError("refusing an empty id list: an engine may read it as 'abort all'")
-        queue = self._queues.get(engine)
-        if queue is None:
-            queue = self._queues[engine] = _Queue(engine)
+        queue = self._queue(engine)
         request = _Request(ids, sidecar_id, noticed_at, request_log, len(ids))
         if request_log is not None:
             request_log.abort_started()
@@ -315,6 +313,12 @@ class Aborter:
                                          min(noticed_at + RESEND_FIRST_S, until),
                                          RESEND_FIRST_S)
         self._enqueue(queue, request)
+
+    def _queue(self, engine: EngineAdapter) -> _Queue:
+        queue = self._queues.get(engine)
+        if queue is None:
+            queue = self._queues[engine] = _Queue(engine)
+        return queue
 
     def _enqueue(self, queue: _Queue, request: _Request) -> None:
         """Put ``request``'s ids in line (a re-send behind every first call) and make sure a
@@ -552,9 +556,7 @@ class Aborter:
         outcome = request.outcome or _OK
         resend = request.resend
         if resend is not None and outcome == _OK and not resend.stopped and not self._closed:
-            queue = self._queues.get(engine)
-            if queue is None:
-                queue = self._queues[engine] = _Queue(engine)
+            queue = self._queue(engine)
             resend.due = min(max(resend.due, time.monotonic()), resend.until)
             self._schedule_resend(queue, resend)
         latency = time.monotonic() - request.noticed_at

@@ -136,6 +136,8 @@ class AbortPool:
         self._host = parts.hostname or ""
         self._port = parts.port or (443 if self._secure else 80)
         self._authority = parts.netloc.encode("idna")
+        # One TLS context for the pool's life (each recycle opens a connection).
+        self._ssl = ssl.create_default_context() if self._secure else None
         self._idle: deque[AbortConnection] = deque()
         self._keeping = False  # the warm connection is being (re)opened
         self._closed = False
@@ -187,10 +189,9 @@ class AbortPool:
     async def _open(self) -> AbortConnection:
         try:
             _, conn = await self._loop.create_connection(
-                lambda: AbortConnection(self), self._host, self._port,
-                ssl=ssl.create_default_context() if self._secure else None)
+                lambda: AbortConnection(self), self._host, self._port, ssl=self._ssl)
         except ssl.SSLError:
-            raise
+            raise  # an OSError too, but not a transient "connect" failure: it would repeat
         except OSError as exc:
             raise AbortWireError("connect", f"{type(exc).__name__}: {exc}") from exc
         return conn
