@@ -13,10 +13,12 @@ busy with the abandoned one makes the next one wait). Measured with llama-cpp-py
 it does not stop, for a stream either (its handler's ``request.is_disconnected()`` check never
 fired here; no "Disconnected" line in its log).
 
-Runs when an interpreter with ``llama_cpp.server`` and ``gguf`` is available: this one, or the
-one named by ``CANCEL_SIDECAR_LLAMA_PYTHON`` (the server and the model writer run under it).
-Install with ``pip install -e '.[llamacpp]'`` (builds llama.cpp from source; see the README for
-the time it takes). Marker ``llamacpp``.
+Runs under the interpreter named by ``CANCEL_SIDECAR_LLAMA_PYTHON`` (the server and the model
+writer run under it), else this one. ``make test-llamacpp`` (and so ``.ci/run``) builds
+llama-cpp-python from source into ``.venv-llama`` and names its interpreter; one so named that
+cannot import ``llama_cpp.server`` and ``gguf`` fails every test here, it is never a skip.
+Without the variable the module is skipped unless this interpreter has them (``make test``).
+Marker ``llamacpp``.
 """
 
 from __future__ import annotations
@@ -52,20 +54,28 @@ LONG_STREAM = 250  # the same as a stream (~20 s here: ~80 ms an event)
 WATCH_S = 3.0  # how long the server is watched after a disconnect
 
 
-def _llama_available() -> bool:
+def _llama_problem() -> str | None:
+    """Why ``LLAMA_PY`` cannot run the server and the model writer, or None if it can."""
     try:
         result = subprocess.run([LLAMA_PY, "-c", "import llama_cpp.server, gguf, numpy"],
                                 capture_output=True, timeout=60, check=False)
-    except (OSError, subprocess.TimeoutExpired):
-        return False
-    return result.returncode == 0
+    except (OSError, subprocess.TimeoutExpired) as exc:
+        return f"{LLAMA_PY}: {exc!r}"
+    if result.returncode != 0:
+        return (f"{LLAMA_PY} cannot import llama_cpp.server, gguf and numpy:\n"
+                f"{result.stderr.decode(errors='replace')[-2000:]}")
+    return None
 
+
+LLAMA_PROBLEM = _llama_problem()
+# Named explicitly (make test-llamacpp, .ci/run): a broken build must fail, not skip.
+LLAMA_REQUIRED = bool(os.environ.get("CANCEL_SIDECAR_LLAMA_PYTHON"))
 
 pytestmark = [
     pytest.mark.llamacpp,
     pytest.mark.timeout(300),
-    pytest.mark.skipif(not _llama_available(), reason=(
-        f"{LLAMA_PY} cannot import llama_cpp.server and gguf (pip install -e '.[llamacpp]', "
+    pytest.mark.skipif(LLAMA_PROBLEM is not None and not LLAMA_REQUIRED, reason=(
+        f"{LLAMA_PY} cannot import llama_cpp.server and gguf (make test-llamacpp builds one; "
         "or set CANCEL_SIDECAR_LLAMA_PYTHON to an interpreter that can)")),
 ]
 
@@ -200,6 +210,8 @@ class LlamaServer:
 
 @pytest.fixture(scope="module")
 def llama(tmp_path_factory: pytest.TempPathFactory) -> Any:
+    if LLAMA_PROBLEM is not None:  # only reached when CANCEL_SIDECAR_LLAMA_PYTHON names it
+        pytest.fail(f"CANCEL_SIDECAR_LLAMA_PYTHON names an unusable interpreter: {LLAMA_PROBLEM}")
     home = tmp_path_factory.mktemp("llamacpp")
     model = home / "tiny-llama.gguf"
     subprocess.run([LLAMA_PY, "-m", "tests.llamacpp_model", str(model)], cwd=ROOT, check=True,

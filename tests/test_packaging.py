@@ -66,3 +66,19 @@ def test_ci_runs_the_readme_test_command() -> None:
     ci = (ROOT / ".ci" / "run").read_text()
     assert re.search(r"^make test\b", readme, re.M), "README must give `make test`"
     assert re.search(r"^make test$", ci, re.M), ".ci/run must call the README's `make test`"
+
+
+def test_ci_runs_the_readme_llamacpp_command() -> None:
+    """The real llama.cpp server test is an explicit step: README gives it, .ci/run calls it, and
+    the Makefile target names the interpreter it built (so a broken build fails, not skips)."""
+    readme = (ROOT / "README.md").read_text()
+    ci = (ROOT / ".ci" / "run").read_text()
+    makefile = (ROOT / "Makefile").read_text()
+    assert re.search(r"^make test-llamacpp\b", readme, re.M), "README must give make test-llamacpp"
+    assert re.search(r"^make test-llamacpp$", ci, re.M), ".ci/run must call make test-llamacpp"
+    recipe = re.search(r"^test-llamacpp:.*\n((?:\t.*\n)+)", makefile, re.M)
+    assert recipe, "expected a test-llamacpp target in the Makefile"
+    assert re.search(r"CANCEL_SIDECAR_LLAMA_PYTHON=.*\$\(LLAMA_VENV\).*/bin/python .*"
+                     r"-m pytest tests/test_llamacpp\.py", recipe.group(1)), (
+        f"expected the recipe to run tests/test_llamacpp.py with the built interpreter, got "
+        f"{recipe.group(1)!r}")
