@@ -1,10 +1,12 @@
 """Abort: tell an engine to stop work for request ids whose client is gone.
 
 :meth:`Aborter.abort` only queues a request's ids and returns. Per engine, a flush scheduled with
-``loop.call_soon`` (the first step of a task, which also sends the first call) packs everything
-queued in that event-loop turn into as few calls as the engine allows
-(:attr:`~engine.base.EngineAdapter.max_ids_per_call`; vLLM takes a list), so a lone abort waits
-for nothing and a burst of disconnects becomes a few large calls::
+``loop.call_soon`` (the first step of a task) packs everything queued in that event-loop turn
+into as few calls as the engine allows (:attr:`~engine.base.EngineAdapter.max_ids_per_call`;
+vLLM takes a list) and writes them at once on warm connections, so a lone abort waits for
+nothing and a burst of disconnects becomes a few large calls. A loop turn can be long (hundreds
+of clients leaving in it): ids that waited ``FLUSH_AGE_S`` for the flush leave at once, written
+in the step that queues the next id::
 
     abort(ids) ──► engine queue ──(call_soon flush)──► call task (TaskSet) ──► POST abort path
                     ▲                                      │ answer: outcome to each request
@@ -70,7 +72,7 @@ from collections import deque
 from dataclasses import dataclass, field
 
 from engine import AbortCall, EngineAdapter
-from sidecar.abort_wire import AbortPool, AbortWireError
+from sidecar.abort_wire import AbortPool, AbortWireError, PendingCall
 from sidecar.logs import RequestLog
 from sidecar.metrics import Metrics
 from sidecar.tasks import TaskSet
@@ -88,6 +90,9 @@ RETRY_STATUSES = frozenset({502, 503, 504})
 MAX_COLD_POOLS = 256  # abort connection pools of engines not in the config (per-request targets)
 RESEND_FIRST_S = 0.005  # the first re-send, after the first call; then doubling
 RESEND_COALESCE_S = 0.002  # re-sends due this close together leave in one call
+# A batch of first calls waits for the next loop turn's flush at most this long: when a loop
+# turn is long (hundreds of clients leaving in it), the ids queued so far leave at once.
+FLUSH_AGE_S = 0.002
 _OK = "accepted"
 
 # What an abort endpoint's refusal usually means; for the logs and /readyz.
@@ -195,6 +200,7 @@ class _Queue:
     resending_ids: int = 0
     in_flight: int = 0
     flush_scheduled: bool = False
+    batch_since: float = 0.0  # time.monotonic() the first id waiting for the flush was queued
     flush_token: object = None  # the scheduled flush task's, so a stale done-callback is known
     resends: list[tuple[float, int, _Resend]] = field(default_factory=list)  # heap by due
     resend_timer: asyncio.TimerHandle | None = None
@@ -339,11 +345,19 @@ class Aborter:
                 return
             queue.waiting.append(request)
             queue.waiting_ids += len(ids)
-        if not queue.flush_scheduled:
+        if queue.flush_scheduled:
+            now = time.monotonic()
+            if now - queue.batch_since >= FLUSH_AGE_S and self._pool(queue.engine).idle():
+                # A long loop turn (a storm's disconnects): what waits leaves now, written in
+                # this step; the scheduled flush sends what is queued after it.
+                queue.batch_since = now
+                self._flush(queue)
+        else:
             queue.flush_scheduled = True
+            queue.batch_since = time.monotonic()
             # A task's first step is scheduled with call_soon: the flush runs in the next loop
-            # turn, and that same step sends the first call (a separate task per call would
-            # start one turn later still, which under load is tens of milliseconds).
+            # turn and writes every call in that step (a call's own task starts a turn later
+            # still, which under load is tens of milliseconds: it only waits for the answer).
             token = queue.flush_token = object()
             flush = self._tasks.spawn(self._scheduled_flush(queue),
                                       name=f"abort {queue.engine.name}: flush")
@@ -427,9 +441,7 @@ class Aborter:
 
     async def _scheduled_flush(self, queue: _Queue) -> None:
         queue.flush_scheduled = False
-        first = self._flush(queue, keep_first=True)
-        if first is not None:
-            await self._send(queue, *first)
+        self._flush(queue)
 
     def _flush_never_ran(self, queue: _Queue) -> None:
         """The flush task was cancelled before its first step (the sidecar is stopping): what
@@ -439,36 +451,36 @@ class Aborter:
             if queue.in_flight == 0:
                 self._cancel_waiting(queue)
 
-    def _flush(self, queue: _Queue, *, keep_first: bool = False
-               ) -> tuple[AbortCall, int, list[_Request]] | None:
-        """Start calls for what ``queue`` has waiting, while slots are free. ``keep_first``:
-        the first call is returned (its slot taken) for the caller to send, not spawned."""
+    def _flush(self, queue: _Queue) -> None:
+        """Start calls for what ``queue`` has waiting, while slots are free: each is written
+        now, in the caller's step, on an idle warm connection (:meth:`AbortPool.begin`); a task
+        per call waits for its answer."""
         engine = queue.engine
-        first = None
         while queue.ready() and self._in_flight < MAX_CONCURRENT_CALLS:
             ids, requests = queue.take(engine.max_ids_per_call,
                                        resends=queue.in_flight < RESEND_SLOTS)
             call = engine.abort_call(ids)
             queue.in_flight += 1
             self._in_flight += 1
-            if keep_first and first is None:
-                first = (call, len(ids), requests)
-                continue
-            self._tasks.spawn(self._send(queue, call, len(ids), requests),
+            try:
+                pending: PendingCall | None = self._pool(engine).begin(
+                    call.path, call.json, engine.abort_headers())
+            except Exception:  # noqa: BLE001 - _post makes it again and reports the error
+                pending = None
+            self._tasks.spawn(self._send(queue, call, len(ids), requests, pending),
                               name=f"abort {engine.name}: {len(ids)} id(s)")
         if queue.idle() and self._queues.get(engine) is queue:
             del self._queues[engine]
-        return first
 
     async def _send(self, queue: _Queue, call: AbortCall, count: int,
-                    requests: list[_Request]) -> None:
+                    requests: list[_Request], pending: PendingCall | None = None) -> None:
         """One call carrying ``count`` ids of ``requests``, retried while it fails transiently;
         then the next batch, if any. The call keeps its slot until its last attempt."""
         engine = queue.engine
         attempts = 1 + engine.settings.abort.retries
         try:
             for attempt in range(1, attempts + 1):
-                answer = await self._post(engine, call)
+                answer = await self._post(engine, call, pending if attempt == 1 else None)
                 self._metrics.abort_calls.labels(engine.name, answer.outcome).inc()
                 retry = answer.transient and attempt < attempts
                 self._log_attempt(engine, count, requests, answer, attempt, attempts, retry)
@@ -494,18 +506,22 @@ class Aborter:
         queue.in_flight -= 1
         self._in_flight -= 1
 
-    async def _post(self, engine: EngineAdapter, call: AbortCall) -> _Answer:
+    async def _post(self, engine: EngineAdapter, call: AbortCall,
+                    pending: PendingCall | None = None) -> _Answer:
         """One attempt at ``call``, bounded by ``abort.timeout_s``; never raises but
         ``CancelledError`` (any other exception is an ``error`` answer, so a call task always
-        gives back its slot). Written at once on the engine's warm connection
-        (:mod:`sidecar.abort_wire`); a redirect is never followed: the ids (and the key) would
+        gives back its slot). ``pending``: the attempt already written by :meth:`_flush`, else
+        written here, at once on the engine's warm connection (:mod:`sidecar.abort_wire`); the
+        timeout counts from this step. A redirect is never followed: the ids (and the key) would
         go to another origin, and its 200 would say an abort was taken that was not."""
         timeout_s = engine.settings.abort.timeout_s
         sent = time.monotonic()
         try:
+            pool = self._pool(engine)
+            if pending is None:
+                pending = pool.begin(call.path, call.json, engine.abort_headers())
             async with asyncio.timeout(timeout_s):
-                status = await self._pool(engine).send(call.path, call.json,
-                                                       engine.abort_headers())
+                status = await pool.answer(pending)
         except TimeoutError as exc:
             return _Answer("timeout", f"no answer within {timeout_s}s", _TIMEOUT_HINT,
                            time.monotonic() - sent, transient(exc))

@@ -15,8 +15,8 @@ a future for the answer::
       idle   WARM connections kept open; one that closes is reopened; one idle for RECYCLE_S is
              closed and replaced, so the engine's own idle timeout (uvicorn: 5 s) never closes
              a connection under a call
-      send   an idle connection: transport.write(head + body) now, future of the status;
-             none idle: open one (a handshake), then write
+      begin  an idle connection: transport.write(head + body) now, in the caller's step
+      answer the status; with no idle connection at begin: open one (a handshake), write
     AbortConnection (asyncio.Protocol): one call at a time, the answer parsed by httptools
       (llhttp, the parser uvicorn uses); closed on Connection: close, a timeout or bad bytes
 
@@ -35,6 +35,7 @@ import json
 import logging
 import ssl
 from collections import deque
+from dataclasses import dataclass
 from typing import Any, cast
 from urllib.parse import urlsplit
 
@@ -44,7 +45,7 @@ from sidecar.errors import SidecarError
 
 log = logging.getLogger(__name__)
 
-WARM = 1  # idle connections kept open per engine
+WARM = 2  # idle connections kept open per engine: a second call finds one while the first waits
 RECYCLE_S = 4.0  # an idle connection older than this is replaced (uvicorn closes idle ones at 5 s)
 REOPEN_BACKOFF_S = 1.0  # between attempts to reopen the warm connection of an unreachable engine
 MAX_IDLE = 4  # idle connections kept after a burst of concurrent calls
@@ -126,6 +127,16 @@ class AbortConnection(asyncio.Protocol):
             answer.set_exception(exc)
 
 
+@dataclass(frozen=True, slots=True)
+class PendingCall:
+    """An abort call :meth:`AbortPool.begin` wrote (``conn`` and ``answer`` set), or could not
+    write yet for want of an idle connection (both ``None``)."""
+
+    data: bytes
+    conn: AbortConnection | None
+    answer: asyncio.Future[int] | None
+
+
 class AbortPool:
     """The abort connections of one engine origin (``base_url``: ``http[s]://host:port``)."""
 
@@ -150,26 +161,36 @@ class AbortPool:
         is retried every ``REOPEN_BACKOFF_S``)."""
         self._keep_warm()
 
-    async def send(self, path: str, body: Any, headers: dict[str, str]) -> int:
-        """``POST path`` with ``body`` as JSON and ``headers``; the answer's status. Written in
-        the caller's step when a warm connection is idle. Raises :class:`AbortWireError`;
-        ``asyncio.CancelledError`` closes the connection (its answer would be unread)."""
+    def begin(self, path: str, body: Any, headers: dict[str, str]) -> PendingCall:
+        """``POST path`` with ``body`` as JSON and ``headers``, written now, in the caller's
+        step, if a warm connection is idle (else :meth:`answer` opens one). Never raises."""
         data = self._request(path, body, headers)
         conn = self._take_idle()
-        if conn is None:
+        return PendingCall(data, conn, None if conn is None else conn.send(data))
+
+    async def answer(self, call: PendingCall) -> int:
+        """The status of the call :meth:`begin` started. Raises :class:`AbortWireError`;
+        ``asyncio.CancelledError`` closes the connection (its answer would be unread)."""
+        conn, answer = call.conn, call.answer
+        if conn is None or answer is None:
             conn = await self._open()
+            answer = conn.send(call.data)
         try:
-            return await conn.send(data)
+            return await answer
         except AbortWireError as exc:
             if not (exc.kind == "lost" and conn.stale_loss):
                 raise
             # The engine closed its idle end as the call went out: once more, on a new one.
-            return await (await self._open()).send(data)
+            return await (await self._open()).send(call.data)
         except BaseException:
             conn.close()
             raise
         finally:
             self._keep_warm()
+
+    async def send(self, path: str, body: Any, headers: dict[str, str]) -> int:
+        """:meth:`begin` then :meth:`answer`."""
+        return await self.answer(self.begin(path, body, headers))
 
     def _request(self, path: str, body: Any, headers: dict[str, str]) -> bytes:
         payload = json.dumps(body, separators=(",", ":")).encode()
@@ -178,6 +199,10 @@ class AbortPool:
                  b"Content-Type: application/json", b"Content-Length: %d" % len(payload),
                  *(f"{k}: {v}".encode("latin-1") for k, v in headers.items())]
         return b"\r\n".join(lines) + b"\r\n\r\n" + payload
+
+    def idle(self) -> bool:
+        """True if a call :meth:`begin` starts now is written at once."""
+        return any(c.transport is not None and not c.transport.is_closing() for c in self._idle)
 
     def _take_idle(self) -> AbortConnection | None:
         while self._idle:

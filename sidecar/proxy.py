@@ -185,6 +185,8 @@ class Exchange:
         except DownstreamError as exc:
             return await self._refuse_body(exc)
         except UpstreamError as exc:
+            if self.noticed_at is not None:
+                raise _left_first(exc) from exc
             return self._fail(exc)
         self.upstream = upstream
         self.metrics.upstream_ttfb.labels(engine.name).observe(time.monotonic() - started)
@@ -214,6 +216,8 @@ class Exchange:
                 try:
                     chunk = await upstream.content.readany()
                 except (aiohttp.ClientError, UpstreamReadTimeout) as exc:
+                    if self.noticed_at is not None:
+                        raise _left_first(exc) from exc
                     return self._broken_mid_stream(response, exc)
                 deadline.done()
                 if not chunk:
@@ -284,17 +288,24 @@ class Exchange:
         if not self.upstream_finished or (self.noticed_at is not None and not self.stop_recorded):
             self._stop(reason, disconnect=disconnect)
 
-    def client_gone(self) -> None:
+    def client_gone(self) -> bool:
         """The client's connection was lost: called from the downstream protocol's
         ``connection_lost`` (:class:`sidecar.downstream.DownstreamHandler`), before aiohttp
-        cancels the handler. The abort is queued and the upstream closed right here, so when many
-        clients leave at once every abort is on the wire before any of their handlers' teardown
-        (metrics, logs, access lines) runs; the cancelled handler records the rest
+        cancels the handler. The abort is queued right here, so when many clients leave at once
+        every abort is on the wire before any of their handlers' teardown (the upstream close,
+        metrics, logs, access lines) runs; the cancelled handler records the rest
         (:meth:`cancel`). Nothing to do if the response was complete, the engine had finished
-        (``data: [DONE]``) or the sidecar is ending the request itself."""
+        (``data: [DONE]``) or the sidecar is ending the request itself.
+
+        Returns True if an abort was queued: the upstream is then left to the handler's
+        teardown, which the downstream protocol may defer a few loop turns
+        (:class:`sidecar.downstream.TeardownPacer`); the engine is already being told to stop.
+        Otherwise (nothing to abort: the upstream close is all the engine hears) the upstream is
+        closed in the next loop turn and False returned."""
         if self.upstream_finished or self.saw_done_event or self.ending is not None:
-            return
-        self._abort_now(time.monotonic(), close_soon=True)
+            return False
+        self._abort_now(time.monotonic(), close_later=True)
+        return self.aborting > 0
 
     def close(self) -> None:
         """Last step of every request: a response not read to its end is never pooled again."""
@@ -302,11 +313,11 @@ class Exchange:
             self.upstream.close()
             self.upstream_finished = True
 
-    def _abort_now(self, noticed_at: float, *, close_soon: bool = False) -> None:
+    def _abort_now(self, noticed_at: float, *, close_later: bool = False) -> None:
         """Queue the abort at every abort engine (if the engine had the whole body) and close
-        the upstream; the part of stopping that cannot wait. Once per request. ``close_soon``:
-        close it in a callback of its own, queued behind the abort flush (which the first abort
-        queued in this loop turn scheduled), so the abort call is on the wire first."""
+        the upstream; the part of stopping that cannot wait. Once per request.
+        ``close_later`` (a disconnect): the upstream stays open for the handler's teardown to
+        close if an abort was queued, else it is closed in a callback of its own."""
         self.noticed_at = noticed_at
         body = self.body.copy() if self.body else None
         phase = self.phase = self._phase(body)
@@ -315,14 +326,35 @@ class Exchange:
             # One call per abort engine, queued in this same loop turn: the engines' calls run
             # concurrently, each with the ids its own kind derives.
             for engine, ids in self.abort_plan(body):
-                self.aborter.abort(engine, ids, self.id, noticed_at, self.access, body_sent_at)
+                # A lone id whose engine sent response body bytes is registered: vLLM and SGLang
+                # stream a request's first chunk only after its first output (vLLM 0.32
+                # chat_completion/serving.py, chat_completion_stream_generator: the first chunk
+                # is built inside ``async for res in result_generator``, which add_request
+                # starts). No re-sends for it (a request with several ids: one may still be
+                # registering while another streams).
+                registered = len(ids) == 1 and bool(self.tail)
+                self.aborter.abort(engine, ids, self.id, noticed_at, self.access,
+                                   None if registered else body_sent_at)
                 self.aborting += len(ids)
+        if close_later and self.aborting:
+            self._stop_reading_upstream()
+            return
         if self.upstream is not None:
-            if close_soon:
+            if close_later:
                 asyncio.get_running_loop().call_soon(self.upstream.close)
             else:
                 self.upstream.close()
         self.upstream_finished = True
+
+    def _stop_reading_upstream(self) -> None:
+        """Stop reading the engine's response (its socket's reading paused; the connection is
+        closed by the handler's teardown): the client is gone and the engine is being aborted,
+        so a chunk the engine still sends would only wake the handler to find the client gone
+        and tear it down out of its turn."""
+        connection = self.upstream.connection if self.upstream is not None else None
+        transport = connection.transport if connection is not None else None
+        if transport is not None:
+            transport.pause_reading()
 
     def _stop(self, reason: str, *, disconnect: bool) -> None:
         if self.noticed_at is None:
@@ -541,12 +573,22 @@ class Exchange:
         return response
 
 
+def _left_first(exc: BaseException) -> ConnectionResetError:
+    """The client left before the engine's side failed: the engine ended its side on the abort
+    the disconnect queued, while this handler's teardown waited its turn
+    (:class:`sidecar.downstream.TeardownPacer`). Raised as a write to the gone client would
+    raise, so :func:`handle` ends it as the disconnect it is, not as an upstream error."""
+    return ConnectionResetError(f"the client left first; then the engine's side ended: {exc}")
+
+
 @runtime_checkable
 class LossHook(Protocol):
     """A downstream protocol that calls ``on_lost`` (once, then forgets it) when its connection
-    is lost, before aiohttp cancels the handler: :class:`sidecar.downstream.DownstreamHandler`."""
+    is lost, before aiohttp cancels the handler: :class:`sidecar.downstream.DownstreamHandler`.
+    ``on_lost`` returns True if it queued an abort: the handler's cancellation may then wait
+    its turn (:class:`sidecar.downstream.TeardownPacer`)."""
 
-    on_lost: Callable[[], None] | None
+    on_lost: Callable[[], bool] | None
 
 
 def _refuse(request: web.Request, status: int, message: str, error_type: str) -> web.Response:
@@ -643,7 +685,8 @@ async def handle(request: web.Request, runtime: Runtime) -> web.StreamResponse:
         exchange.cancel("client disconnected" if gone else "handler cancelled", disconnect=gone)
         raise
     except ConnectionResetError:
-        # A write found the client gone before the cancellation arrived.
+        # A write found the client gone before the cancellation arrived, or the engine ended
+        # its side on the abort while the cancellation waited its turn (_left_first).
         gone = True
         exchange.cancel("client disconnected")
         return web.Response(status=499)
