@@ -45,7 +45,8 @@ from sidecar.errors import SidecarError
 
 log = logging.getLogger(__name__)
 
-WARM = 2  # idle connections kept open per engine: a second call finds one while the first waits
+WARM = 4  # idle connections kept open per engine: a storm's next calls find one while the
+# first ones wait for their answers (every 2 ms: sidecar.abort.FLUSH_AGE_S)
 RECYCLE_S = 4.0  # an idle connection older than this is replaced (uvicorn closes idle ones at 5 s)
 REOPEN_BACKOFF_S = 1.0  # between attempts to reopen the warm connection of an unreachable engine
 MAX_IDLE = 4  # idle connections kept after a burst of concurrent calls
