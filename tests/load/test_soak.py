@@ -44,6 +44,7 @@ import psutil
 import pytest
 
 from sidecar.abort import MAX_CALLS_PER_ENGINE
+from sidecar.abort_wire import WARM
 from sidecar.config import AbortSettings
 from tests import rawhttp
 from tests.cli_process import config_tree
@@ -208,6 +209,20 @@ async def levels(sidecar: SidecarProcess, engine_port: int) -> Levels:
     return Levels(proc.num_fds(), upstream, await sidecar.tasks(), proc.memory_info().rss)
 
 
+async def warm_levels(sidecar: SidecarProcess, engine_port: int) -> Levels:
+    """The baseline before any traffic: once the sidecar's ``WARM`` abort connections are open
+    (:mod:`sidecar.abort_wire` opens them in the background at startup; a reading taken while
+    some are still connecting counts their fds but not their connections), for at most
+    ``GUARD_S``."""
+    deadline = time.monotonic() + GUARD_S
+    while (now := await levels(sidecar, engine_port)).upstream < WARM:
+        if time.monotonic() > deadline:
+            raise AssertionError(f"expected the {WARM} warm abort connections to open within "
+                                 f"{GUARD_S}s; {now.upstream} are")
+        await asyncio.sleep(0.05)
+    return now
+
+
 async def settled(sidecar: SidecarProcess, engine_port: int, base: Levels, *,
                   pool: int = CONCURRENCY) -> Levels:
     """Poll (no event exists for another process's sockets) until the sidecar is back to
@@ -321,7 +336,7 @@ async def soak(engine: VLLMEngine, tmp_path: Path) -> None:
         "local": {"kind": "vllm", "url": engine.url,
                   "abort": {"api_key": "cli-key", "timeout_s": 2.0}}})
     async with sidecar_process(tmp_path, tree) as sidecar:
-        before = await levels(sidecar, port)
+        before = await warm_levels(sidecar, port)
         started = time.monotonic()
         outcomes = await run(sidecar.proxy_port, index, plan[:WARM_UP])
         warm = await settled(sidecar, port, before)
@@ -391,7 +406,7 @@ async def soak(engine: VLLMEngine, tmp_path: Path) -> None:
         f"expected at most {CONCURRENCY} pooled upstream connections, got {after.upstream}")
     assert after.fds <= before.fds + after.upstream, (
         f"expected fds back to {before.fds} + {after.upstream} pooled; got {after.fds}")
-    # ``before`` already holds the warm abort connection (sidecar.abort_wire).
+    # ``before`` already holds the warm abort connections (sidecar.abort_wire).
     assert (idle.upstream <= ABORT_POOL
             and idle.fds == before.fds + idle.upstream - before.upstream), (
         f"expected, once the proxy's keep-alive pool expired, at most {ABORT_POOL} (abort) "
