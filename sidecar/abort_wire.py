@@ -7,7 +7,7 @@ hundreds of handler steps. aiohttp 3.14's ``ClientSession.post`` writes the requ
 task of its own (``ClientRequest.send`` starts ``write_bytes``; eagerly only on Python 3.12+),
 a loop turn later, behind every handler the same disconnect storm woke; and it opens a
 connection only when asked, so the first abort after an idle spell (the engine closes idle
-connections: uvicorn after 5 s) also waits for a TCP handshake. Here :meth:`AbortPool.send`
+connections: uvicorn after 5 s) also waits for a TCP handshake. Here :meth:`AbortPool.begin`
 writes the whole call into a socket that is already open, in the caller's own step, and returns
 a future for the answer::
 
@@ -164,7 +164,8 @@ class AbortPool:
 
     def begin(self, path: str, body: Any, headers: dict[str, str]) -> PendingCall:
         """``POST path`` with ``body`` as JSON and ``headers``, written now, in the caller's
-        step, if a warm connection is idle (else :meth:`answer` opens one). Never raises."""
+        step, if a warm connection is idle (else :meth:`answer` opens one). Raises
+        ``UnicodeEncodeError`` for a header that is not latin-1 (the config refuses those)."""
         data = self._request(path, body, headers)
         conn = self._take_idle()
         return PendingCall(data, conn, None if conn is None else conn.send(data))
@@ -188,10 +189,6 @@ class AbortPool:
             raise
         finally:
             self._keep_warm()
-
-    async def send(self, path: str, body: Any, headers: dict[str, str]) -> int:
-        """:meth:`begin` then :meth:`answer`."""
-        return await self.answer(self.begin(path, body, headers))
 
     def _request(self, path: str, body: Any, headers: dict[str, str]) -> bytes:
         payload = json.dumps(body, separators=(",", ":")).encode()

@@ -128,9 +128,6 @@ class TeardownPacer:
         self._waiting: deque[tuple[DownstreamHandler, BaseException | None]] = deque()
         self._scheduled = False
 
-    def __len__(self) -> int:
-        return len(self._waiting)
-
     def defer(self, handler: DownstreamHandler, exc: BaseException | None) -> None:
         self._waiting.append((handler, exc))
         if not self._scheduled:

@@ -181,7 +181,8 @@ class Exchange:
         try:
             upstream = await open_upstream(
                 self.runtime.sessions, settings, request.method,
-                upstream_url(engine.base_url, self.target_path), headers, self.body, self.id)
+                upstream_url(engine.base_url, self.target_path), headers, self.body, self.id,
+                wanted=lambda: self.noticed_at is None)
         except DownstreamError as exc:
             return await self._refuse_body(exc)
         except UpstreamError as exc:
@@ -202,10 +203,14 @@ class Exchange:
         response.headers[REQUEST_ID] = self.id
         if client_id:
             response.headers[CLIENT_REQUEST_ID] = client_id[0]
-        if request.transport is not None:
-            # Past this many unsent bytes, response.write waits (aiohttp drains every 64 KiB).
-            request.transport.set_write_buffer_limits(
-                high=self.runtime.settings.downstream.write_buffer_bytes)
+        transport = request.transport
+        if transport is None or transport.is_closing():
+            # The client left while the engine answered the head (its handler's cancellation
+            # waits its turn: sidecar.downstream.TeardownPacer); a closed transport refuses
+            # even set_write_buffer_limits.
+            raise ConnectionResetError("the client left before the response began")
+        # Past this many unsent bytes, response.write waits (aiohttp drains every 64 KiB).
+        transport.set_write_buffer_limits(high=self.runtime.settings.downstream.write_buffer_bytes)
         await response.prepare(request)
         self.status_sent = response.status
         previous = b""

@@ -20,7 +20,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import AsyncIterator, Mapping
+from collections.abc import AsyncIterator, Callable, Mapping
 
 import aiohttp
 from multidict import CIMultiDict
@@ -186,12 +186,15 @@ async def open_upstream(
     headers: CIMultiDict[str],
     body: RequestBody,
     request_id: str,
+    wanted: Callable[[], bool] = lambda: True,
 ) -> aiohttp.ClientResponse:
     """Send the request upstream and return once its response headers arrived.
 
-    ``sessions`` is (pooled, fresh). Raises :class:`UpstreamConnectError`,
-    :class:`UpstreamConnectTimeout`, :class:`UpstreamFirstByteTimeout`,
-    :class:`UpstreamProtocolError` (headers that do not parse) or :class:`UpstreamDisconnected`
+    ``sessions`` is (pooled, fresh). ``wanted()`` False (the client left) forbids the re-send
+    after a dropped connection: the engine would get the request again for nobody. Raises
+    :class:`UpstreamConnectError`, :class:`UpstreamConnectTimeout`,
+    :class:`UpstreamFirstByteTimeout`, :class:`UpstreamProtocolError` (headers that do not
+    parse) or :class:`UpstreamDisconnected`
     (closed or reset before complete headers, after the one re-send);
     :class:`~sidecar.errors.RequestBodyTooLarge` or :class:`~sidecar.errors.RequestBodyTimeout`
     if the client's body broke a limit first (never re-sent). Cancellation propagates untouched;
@@ -211,7 +214,7 @@ async def open_upstream(
         except aiohttp.ClientConnectorError as exc:
             raise UpstreamConnectError(f"cannot connect to {url.origin()}: {exc.os_error}") from exc
         except (aiohttp.ServerDisconnectedError, aiohttp.ClientOSError) as exc:
-            if session is pooled and body.resendable:
+            if session is pooled and body.resendable and wanted():
                 log.info("request %s: upstream connection dropped before the response (%s); "
                          "sending again on a fresh connection", request_id, exc)
                 session = fresh
