@@ -35,6 +35,7 @@ import asyncio
 import json
 import logging
 import math
+import os
 import socket
 import struct
 import time
@@ -352,14 +353,23 @@ class Exchange:
         self.upstream_finished = True
 
     def _stop_reading_upstream(self) -> None:
-        """Stop reading the engine's response (its socket's reading paused; the connection is
-        closed by the handler's teardown): the client is gone and the engine is being aborted,
-        so a chunk the engine still sends would only wake the handler to find the client gone
-        and tear it down out of its turn."""
+        """Stop reading the engine's response and end the connection on the engine's side now;
+        the handler's teardown, paced (:class:`sidecar.downstream.TeardownPacer`), closes it.
+
+        Reading is paused: a chunk the engine still sends would only wake the handler to find
+        the client gone and tear it down out of its turn. The socket is shut down (both ways:
+        the engine reads EOF, what it still sends is dropped) in a callback queued behind the
+        abort flush, so the abort call is on the wire first and the engine sees the close at
+        once, as it would a reverse proxy's; uvloop, not reading, does not notice. The
+        connection is never pooled again (the teardown closes it: :meth:`close`)."""
         connection = self.upstream.connection if self.upstream is not None else None
         transport = connection.transport if connection is not None else None
         if transport is not None:
             transport.pause_reading()
+            # Duplicated now: by the time the callback runs, the handler may have closed the
+            # connection and its descriptor number may name another socket.
+            sock = socket.socket(fileno=os.dup(transport.get_extra_info("socket").fileno()))
+            asyncio.get_running_loop().call_soon(_shut_down, sock)
 
     def _stop(self, reason: str, *, disconnect: bool) -> None:
         if self.noticed_at is None:
@@ -579,6 +589,16 @@ class Exchange:
         if self.phase == "request_body" and self.request.transport is not None:
             self.request.transport.close()  # else aiohttp reads what is left: see _refuse_body
         return response
+
+
+def _shut_down(sock: socket.socket) -> None:
+    """``shutdown(SHUT_RDWR)`` on ``sock`` (a duplicate of a connection's descriptor: uvloop's
+    transport sockets refuse ``shutdown()``), then close the duplicate."""
+    with sock:
+        try:
+            sock.shutdown(socket.SHUT_RDWR)
+        except OSError:
+            pass  # reset by the engine meanwhile: nothing left to end
 
 
 def _left_first(exc: BaseException) -> ConnectionResetError:
