@@ -5,8 +5,8 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed-e2e
 FAST_STAMP := $(VENV)/.installed-dev
-# tests/test_llamacpp.py's server: llama-cpp-python (the `llamacpp` extra in pyproject.toml) in a
-# venv of its own, so .venv stays as it is.
+# tests/test_llamacpp*.py's servers: llama-cpp-python and xllamacpp (llama.cpp's own server; the
+# `llamacpp` extra in pyproject.toml) in a venv of their own, so .venv stays as it is.
 LLAMA_VENV := .venv-llama
 LLAMA_STAMP := $(LLAMA_VENV)/.installed-llamacpp
 # PyPI has no Linux wheel of llama-cpp-python: pip builds llama.cpp from the sdist (~4 min on 2
@@ -36,15 +36,16 @@ $(FAST_STAMP): pyproject.toml
 	touch $(FAST_STAMP)
 
 # --no-cache-dir: pip's wheel cache ignores CMAKE_ARGS, so a wheel built with other flags could
-# be reused; a failed build stops make with pip's build log.
+# be reused; a failed build stops make with pip's build log. xllamacpp comes as PyPI's wheel
+# only (--only-binary: no second source build of llama.cpp, ~5 s).
 $(LLAMA_STAMP): pyproject.toml
 	test -x $(LLAMA_VENV)/bin/python || $(PY) -m venv $(LLAMA_VENV)
 	$(LLAMA_VENV)/bin/pip install -q -U pip
 	$(LLAMA_VENV)/bin/python -c "import tomllib; print('\n'.join(tomllib.load(open('pyproject.toml', 'rb'))['project']['optional-dependencies']['llamacpp']))" > $(LLAMA_VENV)/requirements.txt
 	CMAKE_ARGS="$(LLAMA_CMAKE_ARGS)" CMAKE_BUILD_PARALLEL_LEVEL=$$(nproc) \
 		$(LLAMA_VENV)/bin/pip install -q --no-cache-dir --no-binary llama-cpp-python \
-		-r $(LLAMA_VENV)/requirements.txt
-	$(LLAMA_VENV)/bin/python -c "import llama_cpp.server, gguf, numpy"
+		--only-binary xllamacpp -r $(LLAMA_VENV)/requirements.txt
+	$(LLAMA_VENV)/bin/python -c "import llama_cpp.server, xllamacpp, gguf, numpy"
 	touch $(LLAMA_STAMP)
 
 setup: $(STAMP)
@@ -63,10 +64,11 @@ test: $(STAMP)
 test-fast: $(FAST_STAMP)
 	$(BIN)/python -m pytest tests -m "not e2e"
 
-## The openai kind in front of a real llama.cpp server (llama-cpp-python, built into .venv-llama
-## the first time): fails, never skips, if that interpreter cannot serve.
+## The openai kind in front of two real llama.cpp servers (llama-cpp-python's, built into
+## .venv-llama the first time, and llama.cpp's own through xllamacpp's wheel): fails, never
+## skips, if that interpreter cannot serve.
 test-llamacpp: $(FAST_STAMP) $(LLAMA_STAMP)
-	CANCEL_SIDECAR_LLAMA_PYTHON=$(abspath $(LLAMA_VENV))/bin/python $(BIN)/python -m pytest tests/test_llamacpp.py
+	CANCEL_SIDECAR_LLAMA_PYTHON=$(abspath $(LLAMA_VENV))/bin/python $(BIN)/python -m pytest tests/test_llamacpp.py tests/test_llamacpp_native.py
 
 ## Direct vs cancel-sidecar vs nginx on a fast fake engine (and the real-vLLM waste figure):
 ## regenerates docs/benchmarks.md and docs/benchmarks.png. Needs nginx (Debian: nginx-light).

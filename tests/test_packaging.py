@@ -79,6 +79,7 @@ def test_ci_runs_the_readme_llamacpp_command() -> None:
     recipe = re.search(r"^test-llamacpp:.*\n((?:\t.*\n)+)", makefile, re.M)
     assert recipe, "expected a test-llamacpp target in the Makefile"
     assert re.search(r"CANCEL_SIDECAR_LLAMA_PYTHON=.*\$\(LLAMA_VENV\).*/bin/python .*"
-                     r"-m pytest tests/test_llamacpp\.py", recipe.group(1)), (
-        f"expected the recipe to run tests/test_llamacpp.py with the built interpreter, got "
-        f"{recipe.group(1)!r}")
+                     r"-m pytest tests/test_llamacpp\.py tests/test_llamacpp_native\.py$",
+                     recipe.group(1), re.M), (
+        f"expected the recipe to run tests/test_llamacpp.py and tests/test_llamacpp_native.py "
+        f"with the built interpreter, got {recipe.group(1)!r}")
