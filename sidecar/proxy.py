@@ -42,7 +42,7 @@ import time
 import uuid
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Protocol, runtime_checkable
+from typing import Protocol, cast
 
 import aiohttp
 from aiohttp import web
@@ -609,7 +609,6 @@ def _left_first(exc: BaseException) -> ConnectionResetError:
     return ConnectionResetError(f"the client left first; then the engine's side ended: {exc}")
 
 
-@runtime_checkable
 class LossHook(Protocol):
     """A downstream protocol that calls ``on_lost`` (once, then forgets it) when its connection
     is lost, before aiohttp cancels the handler: :class:`sidecar.downstream.DownstreamHandler`.
@@ -681,7 +680,8 @@ async def handle(request: web.Request, runtime: Runtime) -> web.StreamResponse:
     exchanges = request.app[EXCHANGES]
     exchanges[exchange.id] = exchange
     protocol = request.protocol
-    hook = protocol if isinstance(protocol, LossHook) else None
+    # Not isinstance(protocol, LossHook): a runtime-checkable Protocol costs ~7 us per request.
+    hook = cast(LossHook, protocol) if hasattr(protocol, "on_lost") else None
     if hook is not None:
         hook.on_lost = exchange.client_gone
     in_flight = metrics.in_flight.labels(target.prefix)
