@@ -364,12 +364,16 @@ class Exchange:
         connection is never pooled again (the teardown closes it: :meth:`close`)."""
         connection = self.upstream.connection if self.upstream is not None else None
         transport = connection.transport if connection is not None else None
-        if transport is not None:
-            transport.pause_reading()
-            # Duplicated now: by the time the callback runs, the handler may have closed the
-            # connection and its descriptor number may name another socket.
+        if transport is None or transport.is_closing():
+            return  # the engine's side is closed already (its connection_lost is queued)
+        transport.pause_reading()
+        # Duplicated now: by the time the callback runs, the handler may have closed the
+        # connection and its descriptor number may name another socket.
+        try:
             sock = socket.socket(fileno=os.dup(transport.get_extra_info("socket").fileno()))
-            asyncio.get_running_loop().call_soon(_shut_down, sock)
+        except OSError:
+            return  # no descriptor left to end: the teardown closes what remains
+        asyncio.get_running_loop().call_soon(_shut_down, sock)
 
     def _stop(self, reason: str, *, disconnect: bool) -> None:
         if self.noticed_at is None:
