@@ -234,6 +234,14 @@ class EngineAdapter(abc.ABC):
         Cold path: called only on an early end. Never raises on a malformed body."""
         return None
 
+    def registered_once_streaming(self, method: str, path: str) -> bool:
+        """True if, on this route, the engine sends a response body byte only once it has
+        registered the request's (single) engine id: an abort after that byte needs no re-send
+        (:mod:`sidecar.abort`'s registration window). Default ``False``: re-send, as for a
+        route whose first events go out before the engine knows the id (vLLM's
+        ``/v1/responses`` sends ``response.created`` first)."""
+        return False
+
     def kept_after_disconnect(self, method: str, path: str, body: bytes | None) -> Kept | None:
         """For a request that ended early: the reason its engine keeps running it on purpose
         after the client leaves (then it is never aborted, only its upstream closed), or

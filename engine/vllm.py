@@ -145,6 +145,14 @@ ROUTES: dict[str, tuple[bool, IdRule]] = {
     "/invocations": (True, _invocations),
 }
 
+# Routes whose first streamed body byte comes after the engine registered the request (vLLM 0.32:
+# openai/chat_completion/serving.py chat_completion_stream_generator and
+# openai/completion/serving.py completion_stream_generator build their first chunk inside
+# ``async for ... in result_generator``, which AsyncLLM.add_request starts). Not /v1/responses
+# (responses_stream_generator sends response.created and response.in_progress first), nor the
+# routes not checked.
+REGISTERED_ONCE_STREAMING = frozenset({"/v1/chat/completions", "/v1/completions"})
+
 # Routes whose body may ask for beam search (ChatCompletionRequest, CompletionRequest).
 BEAM_SEARCH_ROUTES = frozenset({"/v1/completions", "/v1/chat/completions", "/invocations"})
 
@@ -189,6 +197,10 @@ class VLLMAdapter(EngineAdapter):
         if method == "POST" and beam_search(path, body):
             return Unabortable.VLLM_BEAM_SEARCH
         return None
+
+    def registered_once_streaming(self, method: str, path: str) -> bool:
+        """Chat and completions (:data:`REGISTERED_ONCE_STREAMING`)."""
+        return method == "POST" and path in REGISTERED_ONCE_STREAMING
 
     def kept_after_disconnect(self, method: str, path: str, body: bytes | None) -> Kept | None:
         """``background_response`` for a background ``POST /v1/responses`` that vLLM runs (not

@@ -332,13 +332,13 @@ class Exchange:
             # One call per abort engine, queued in this same loop turn: the engines' calls run
             # concurrently, each with the ids its own kind derives.
             for engine, ids in self.abort_plan(body):
-                # A lone id whose engine sent response body bytes is registered: vLLM and SGLang
-                # stream a request's first chunk only after its first output (vLLM 0.32
-                # chat_completion/serving.py, chat_completion_stream_generator: the first chunk
-                # is built inside ``async for res in result_generator``, which add_request
-                # starts). No re-sends for it (a request with several ids: one may still be
-                # registering while another streams).
-                registered = len(ids) == 1 and bool(self.tail)
+                # A lone id whose engine sent response body bytes, on a route where it streams
+                # only once registered (EngineAdapter.registered_once_streaming: vLLM's chat and
+                # completions), is known to it: no re-sends. A request with several ids keeps
+                # them (one may still be registering while another streams).
+                registered = (len(ids) == 1 and bool(self.tail)
+                              and engine.registered_once_streaming(self.request.method,
+                                                                   self.request.path))
                 self.aborter.abort(engine, ids, self.id, noticed_at, self.access,
                                    None if registered else body_sent_at)
                 self.aborting += len(ids)
