@@ -99,7 +99,7 @@ class AbortConnection(asyncio.Protocol):
         keep = self._parser.should_keep_alive()
         if answer is not None and not answer.done():
             answer.set_result(self._parser.get_status_code())
-        if keep and self.transport is not None and not self.transport.is_closing():
+        if keep and self.open:
             self._pool.idle_again(self)
         else:
             self.close()
@@ -111,6 +111,11 @@ class AbortConnection(asyncio.Protocol):
         self._got_bytes = False
         self.transport.write(data)
         return self.answer
+
+    @property
+    def open(self) -> bool:
+        """True while the connection can carry a call (connected, not closing)."""
+        return self.transport is not None and not self.transport.is_closing()
 
     @property
     def stale_loss(self) -> bool:
@@ -200,12 +205,12 @@ class AbortPool:
 
     def idle(self) -> bool:
         """True if a call :meth:`begin` starts now is written at once."""
-        return any(c.transport is not None and not c.transport.is_closing() for c in self._idle)
+        return any(c.open for c in self._idle)
 
     def _take_idle(self) -> AbortConnection | None:
         while self._idle:
             conn = self._idle.pop()  # the most recently used: the least likely to be stale
-            if conn.transport is not None and not conn.transport.is_closing():
+            if conn.open:
                 return conn
         return None
 
