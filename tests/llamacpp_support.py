@@ -136,6 +136,17 @@ class Tap:
                 for body in response_bodies(bytes(conn.from_server))]
 
 
+@asynccontextmanager
+async def tapping(server: ServerProcess) -> AsyncIterator[Tap]:
+    """A :class:`Tap` in front of ``server``, stopped at the end."""
+    relay = Tap(server.port)
+    await relay.start()
+    try:
+        yield relay
+    finally:
+        await relay.stop()
+
+
 def response_bodies(data: bytes) -> list[bytes]:
     """The bodies of the HTTP/1.1 responses in ``data``, one after another (Content-Length or
     chunked; a last incomplete one as far as it got)."""

@@ -45,6 +45,7 @@ from tests.llamacpp_support import (
     next_request_s,
     serving,
     sidecar_in_front,
+    tapping,
     write_model,
 )
 
@@ -77,10 +78,8 @@ def llama(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerProcess]:
 
 @pytest_asyncio.fixture
 async def tap(llama: ServerProcess) -> AsyncIterator[Tap]:
-    relay = Tap(llama.port)
-    await relay.start()
-    yield relay
-    await relay.stop()
+    async with tapping(llama) as relay:
+        yield relay
 
 
 @pytest_asyncio.fixture

@@ -56,6 +56,7 @@ from tests.llamacpp_support import (
     next_request_s,
     serving,
     sidecar_in_front,
+    tapping,
     write_model,
 )
 
@@ -112,10 +113,8 @@ def native_two_slots(model: Path) -> Iterator[ServerProcess]:
 
 @pytest_asyncio.fixture
 async def tap(native: ServerProcess) -> AsyncIterator[Tap]:
-    relay = Tap(native.port)
-    await relay.start()
-    yield relay
-    await relay.stop()
+    async with tapping(native) as relay:
+        yield relay
 
 
 @pytest_asyncio.fixture
@@ -127,10 +126,8 @@ async def proxy(tap: Tap) -> AsyncIterator[str]:
 
 @pytest_asyncio.fixture
 async def tap_two_slots(native_two_slots: ServerProcess) -> AsyncIterator[Tap]:
-    relay = Tap(native_two_slots.port)
-    await relay.start()
-    yield relay
-    await relay.stop()
+    async with tapping(native_two_slots) as relay:
+        yield relay
 
 
 async def _metrics(session: aiohttp.ClientSession, server: ServerProcess) -> dict[str, float]:
