@@ -60,6 +60,7 @@ from aiohttp.web_request import BaseRequest
 from yarl import URL
 
 from sidecar.proxy import error_response
+from sidecar.relay import Downstream
 
 log = logging.getLogger(__name__)
 
@@ -160,7 +161,7 @@ class DownstreamHandler(RequestHandler):
     reset into a reset of the engine's side.
     """
 
-    __slots__ = ("_pacer", "lost_with", "on_lost")
+    __slots__ = ("_pacer", "flow", "lost_with", "on_lost")
 
     def __init__(self, *args: Any, pacer: TeardownPacer | None = None, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
@@ -170,6 +171,10 @@ class DownstreamHandler(RequestHandler):
         # .client_gone): the abort is queued before aiohttp cancels the handler. True: an
         # abort was queued, the handler's teardown may wait its turn.
         self.on_lost: Callable[[], bool] | None = None
+        # Set by the proxy handler while it relays a response body (sidecar.relay.Downstream):
+        # told when the transport's write buffer crosses its high and low marks, so that
+        # reading the engine pauses and resumes with the client.
+        self.flow: Downstream | None = None
 
     def connection_lost(self, exc: BaseException | None) -> None:
         """The client's connection is gone (reset, FIN or half-close: aiohttp's
@@ -191,6 +196,16 @@ class DownstreamHandler(RequestHandler):
             self._pacer.defer(self, exc)
         else:
             super().connection_lost(exc)
+
+    def pause_writing(self) -> None:
+        super().pause_writing()
+        if self.flow is not None:
+            self.flow.pause_writing()
+
+    def resume_writing(self) -> None:
+        super().resume_writing()
+        if self.flow is not None:
+            self.flow.resume_writing()
 
     def torn_down(self, exc: BaseException | None) -> None:
         """aiohttp's own handling of the lost connection (the handler cancelled), deferred by

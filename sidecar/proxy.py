@@ -44,8 +44,8 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Protocol, cast
 
-import aiohttp
 from aiohttp import web
+from aiohttp.http_writer import StreamWriter
 from multidict import CIMultiDict
 
 from engine import EngineAdapter, Kept, Unabortable
@@ -68,15 +68,14 @@ from sidecar.headers import (
 from sidecar.keys import ABORTER, EXCHANGES, METRICS
 from sidecar.logs import RequestLog
 from sidecar.metrics import Metrics
+from sidecar.relay import Downstream, UpstreamResponse
 from sidecar.route import RouteTarget
 from sidecar.runtime import Runtime
 from sidecar.upstream import (
-    ReadDeadline,
     RequestBody,
     open_upstream,
     origin_form,
     read_body_chunk,
-    upstream_url,
 )
 
 log = logging.getLogger(__name__)
@@ -144,15 +143,14 @@ class Exchange:
         self.id = uuid.uuid4().hex
         self.body: RequestBody | None = None
         self.body_unrewritten = False  # over replay_buffer_bytes on a body-rewriting route
-        self.upstream: aiohttp.ClientResponse | None = None
+        self.upstream: UpstreamResponse | None = None
         self.upstream_finished = False  # engine sent its whole response, or the hop failed
-        self.saw_done_event = False  # the last chunk relayed ended with ``data: [DONE]``
         # For the access line: what went downstream, and where the exchange was stopped.
         self.status_sent: int | None = None
-        self.bytes_sent = 0
+        self._bytes_sent = 0  # of a response the sidecar wrote itself
         self.phase: str | None = None
         self.response: web.StreamResponse | None = None  # once the relayed head is built
-        self.tail = b""  # the last chunk relayed: does the stream end between SSE events?
+        self.downstream: Downstream | None = None  # the relayed body's byte path
         self.task = asyncio.current_task()  # the handler's, cancelled by the cancel API
         self.ending: Ending | None = None  # set when the sidecar asks to end the request
         self.sent_at: float | None = None  # time.monotonic() when the upstream request started
@@ -163,6 +161,26 @@ class Exchange:
         self.aborting = 0
         self.access = RequestLog(self.id, request.method, request.path, target.prefix,
                                  target.engine.name, request.headers.get(REQUEST_ID))
+
+    @property
+    def saw_done_event(self) -> bool:
+        """The last chunk relayed ended with ``data: [DONE]``: the engine is done."""
+        return self.downstream is not None and self.downstream.saw_done_event
+
+    @property
+    def tail(self) -> bytes:
+        """The last chunk relayed: does the stream end between SSE events?"""
+        return self.downstream.tail if self.downstream is not None else b""
+
+    @property
+    def bytes_sent(self) -> int:
+        """Body bytes sent to the client (for the access line)."""
+        relayed = self.downstream.bytes_sent if self.downstream is not None else 0
+        return self._bytes_sent + relayed
+
+    @bytes_sent.setter
+    def bytes_sent(self, value: int) -> None:
+        self._bytes_sent = value
 
     async def run(self) -> web.StreamResponse:
         request, engine = self.request, self.target.engine
@@ -181,8 +199,8 @@ class Exchange:
         started = self.sent_at = time.monotonic()
         try:
             upstream = await open_upstream(
-                self.runtime.sessions, settings, request.method,
-                upstream_url(engine.base_url, self.target_path), headers, self.body, self.id,
+                self.runtime.pool, settings, request.method, engine.base_url,
+                self.target_path, headers, self.body, self.id,
                 wanted=lambda: self.noticed_at is None)
         except DownstreamError as exc:
             return await self._refuse_body(exc)
@@ -214,31 +232,23 @@ class Exchange:
         transport.set_write_buffer_limits(high=self.runtime.settings.downstream.write_buffer_bytes)
         await response.prepare(request)
         self.status_sent = response.status
-        previous = b""
-        deadline = ReadDeadline(upstream.content, settings.read_timeout_s, engine.base_url)
+        # From here the body goes from the engine's socket to the client's transport in the
+        # relay's protocol callbacks (sidecar.relay): aiohttp wrote the head, the relay frames
+        # the body as aiohttp chose (chunked, or as is) and aiohttp writes the end.
+        writer = cast(StreamWriter, request.writer)
+        writer.send_headers()
+        downstream = self.downstream = Downstream(transport, writer.chunked)
+        flow = cast(FlowHook, request.protocol)
+        flow.flow = downstream
         try:
-            while True:
-                deadline.reading()
-                try:
-                    chunk = await upstream.content.readany()
-                except (aiohttp.ClientError, UpstreamReadTimeout) as exc:
-                    if self.noticed_at is not None:
-                        raise _left_first(exc) from exc
-                    return self._broken_mid_stream(response, exc)
-                deadline.done()
-                if not chunk:
-                    break
-                # The OpenAI end-of-stream event means the engine is done: a client that closes
-                # on reading it (before the upstream's final chunk) is not a disconnect.
-                self.saw_done_event = (chunk if len(chunk) >= len(SSE_DONE)
-                                       else previous + chunk).endswith(SSE_DONE)
-                previous = self.tail = chunk
-                await response.write(chunk)
-                self.bytes_sent += len(chunk)
+            await upstream.relay(downstream, settings.read_timeout_s)
+        except (UpstreamError, DownstreamError) as exc:
+            if self.noticed_at is not None:
+                raise _left_first(exc) from exc
+            return self._broken_mid_stream(response, exc)
         finally:
-            deadline.cancel()
+            flow.flow = None
         self.upstream_finished = True
-        upstream.release()
         await response.write_eof()
         return response
 
@@ -364,9 +374,9 @@ class Exchange:
         connection is never pooled again (the teardown closes it: :meth:`close`)."""
         connection = self.upstream.connection if self.upstream is not None else None
         transport = connection.transport if connection is not None else None
-        if transport is None or transport.is_closing():
+        if connection is None or transport is None or transport.is_closing():
             return  # the engine's side is closed already (its connection_lost is queued)
-        transport.pause_reading()
+        connection.pause_reading()
         # Duplicated now: by the time the callback runs, the handler may have closed the
         # connection and its descriptor number may name another socket.
         try:
@@ -482,12 +492,15 @@ class Exchange:
         return error_response(exc.status, str(exc), exc.error_type, self.id)
 
     def _broken_mid_stream(self, response: web.StreamResponse,
-                           exc: aiohttp.ClientError | UpstreamReadTimeout) -> web.StreamResponse:
+                           exc: UpstreamError | DownstreamError) -> web.StreamResponse:
         """The engine broke or fell silent after the response began: end it so the client sees
         it incomplete, and close the upstream connection (never pooled again).
 
-        ``ClientError`` (FIN, RST, fewer bytes than ``Content-Length``): the engine's side is
-        gone, nothing is aborted; counted as ``MidStream``. :class:`UpstreamReadTimeout` (no body
+        :class:`~sidecar.errors.UpstreamDisconnected` (FIN, RST, fewer bytes than
+        ``Content-Length``) or :class:`~sidecar.errors.UpstreamProtocolError` (a body whose
+        framing does not parse): the engine's side is gone, nothing is aborted; counted as
+        ``MidStream``. (A request body that broke a ``downstream`` limit while the response
+        streamed ends the same way.) :class:`UpstreamReadTimeout` (no body
         byte within ``read_timeout_s``): the engine may be stuck or generating for nobody, so it
         is aborted like after a first-byte timeout, unless it already sent ``data: [DONE]``;
         counted as ``ReadTimeout``. A chunked or length-delimited body is cut short (no final
@@ -565,7 +578,7 @@ class Exchange:
                 sse = response.content_type == "text/event-stream"
                 if sse and (not self.tail or self.tail.endswith((b"\n\n", b"\r\n\r\n"))):
                     await response.write(ending.event)
-                    self.bytes_sent += len(ending.event)
+                    self._bytes_sent += len(ending.event)
                     await response.write_eof()
                     return response
         except (TimeoutError, ConnectionResetError):
@@ -611,6 +624,14 @@ def _left_first(exc: BaseException) -> ConnectionResetError:
     (:class:`sidecar.downstream.TeardownPacer`). Raised as a write to the gone client would
     raise, so :func:`handle` ends it as the disconnect it is, not as an upstream error."""
     return ConnectionResetError(f"the client left first; then the engine's side ended: {exc}")
+
+
+class FlowHook(Protocol):
+    """A downstream protocol that hands ``pause_writing``/``resume_writing`` to the relay in
+    progress (``flow``): :class:`sidecar.downstream.DownstreamHandler`. The proxy app is served
+    only through it (:class:`sidecar.downstream.DownstreamRunner`)."""
+
+    flow: Downstream | None
 
 
 class LossHook(Protocol):

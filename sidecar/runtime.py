@@ -1,11 +1,11 @@
 """What a config file turns into at run time, swapped whole on reload, and the in-flight count.
 
 A :class:`Runtime` is one generation of config-derived state: the settings, the engine adapters,
-the router and the upstream sessions. :class:`Runtimes` holds the current one (the proxy app keeps
-it under ``keys.RUNTIME``), counts the requests running on each, and:
+the router and the upstream connection pool. :class:`Runtimes` holds the current one (the proxy
+app keeps it under ``keys.RUNTIME``), counts the requests running on each, and:
 
 - ``swap(settings)`` (SIGHUP): new requests get a new generation; requests already running keep
-  the one they started on; a replaced generation's sessions are closed once no request that
+  the one they started on; a replaced generation's connections are closed once no request that
   started on it is still running.
 - ``drain(grace_s)`` (SIGTERM): waits for running requests, then cancels what is left; each
   cancelled handler closes its upstream and aborts its engine ids (``proxy.Exchange.cancel``).
@@ -20,13 +20,11 @@ import logging
 from dataclasses import dataclass, field
 from typing import Any
 
-import aiohttp
-
 from engine import EngineAdapter, build_adapters
 from sidecar.config import Settings
+from sidecar.relay import UpstreamPool
 from sidecar.route import Router
 from sidecar.tasks import TaskSet
-from sidecar.upstream import make_session
 
 log = logging.getLogger(__name__)
 
@@ -44,24 +42,24 @@ CANCEL_WAIT_S = 5.0  # after the grace period: how long cancelled handlers may t
 
 @dataclass(eq=False)
 class Runtime:
-    """One generation of config-derived state. ``sessions`` is (pooled, fresh): see
-    :func:`sidecar.upstream.make_session`."""
+    """One generation of config-derived state; ``pool`` holds its upstream connections
+    (:class:`sidecar.relay.UpstreamPool`)."""
 
     generation: int
     settings: Settings
     adapters: dict[str, EngineAdapter]
     router: Router
-    sessions: tuple[aiohttp.ClientSession, aiohttp.ClientSession]
+    pool: UpstreamPool
     in_flight: int = 0
 
     @classmethod
     def open(cls, settings: Settings, generation: int = 0) -> Runtime:
         adapters = build_adapters(settings.engines)
-        sessions = (make_session(settings.upstream), make_session(settings.upstream, fresh=True))
-        return cls(generation, settings, adapters, Router(settings, adapters), sessions)
+        return cls(generation, settings, adapters, Router(settings, adapters),
+                   UpstreamPool(settings.upstream))
 
     async def close(self) -> None:
-        await asyncio.gather(*(s.close() for s in self.sessions))
+        await self.pool.close()
 
 
 @dataclass(eq=False)
@@ -105,7 +103,8 @@ class Runtimes:
         # A request uses the generation it entered on (proxy.handle gets it from enter()).
         for runtime in [r for r in self._retired if not r.in_flight]:
             self._retired.remove(runtime)
-            self.tasks.spawn(runtime.close(), name=f"close sessions of config {runtime.generation}")
+            self.tasks.spawn(runtime.close(),
+                             name=f"close the upstream connections of config {runtime.generation}")
 
     @property
     def in_flight(self) -> int:
@@ -136,7 +135,7 @@ class Runtimes:
         return running - len(stragglers), len(stragglers)
 
     async def close(self) -> None:
-        """Close every generation's sessions (at teardown, after :meth:`drain`)."""
+        """Close every generation's upstream connections (at teardown, after :meth:`drain`)."""
         runtimes, self._retired = [*self._retired, self.current], []
         await asyncio.gather(*(r.close() for r in runtimes))
 

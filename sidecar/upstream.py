@@ -1,18 +1,21 @@
-"""The upstream (engine) side of a hop: one pooled client session, the request body relay, and
-the translation of aiohttp's exceptions into :mod:`sidecar.errors`.
+"""The upstream (engine) side of a hop: sending the request, the request body relay and the
+re-send after a stale pooled connection; the response itself is read by :mod:`sidecar.relay`.
 
-Pooling rules: idle connections are kept ``keepalive_timeout_s`` (below the engine's own idle
-timeout); a response cut short is closed, never put back (the caller calls
-``ClientResponse.close()``); a request that fails on a stale pooled connection before any response
-byte arrived is sent once more on a fresh connection if every body byte read so far was kept
-(``replay_buffer_bytes``): the kept bytes are replayed, then the rest is relayed. The session
-never decompresses, never follows redirects, keeps no cookies and ignores proxy environment
-variables: it is a transparent hop.
+Pooling rules (:class:`sidecar.relay.UpstreamPool`): idle connections are kept
+``keepalive_timeout_s`` (below the engine's own idle timeout); a response cut short is closed,
+never put back; a request that fails on a connection closed or reset before any response byte
+arrived (a stale pooled one) is sent once more on a fresh connection if every body byte read so
+far was kept (``replay_buffer_bytes``): the kept bytes are replayed, then the rest is relayed.
+The hop never decompresses, never follows redirects, keeps no cookies and ignores proxy
+environment variables: it is transparent. The engine sees the client's header fields minus the
+hop-by-hop ones (:mod:`sidecar.headers`), ``Host`` first, and the body framed as the client
+framed it (its ``Content-Length``, else chunked); a body already whole goes out with the head in
+one write.
 
 The request body is read from the client under the ``downstream`` limits (size, time between
-chunks); a broken limit is raised inside aiohttp's body writer, which hands it to the pending
-``session.request`` wrapped or not depending on its type: :func:`open_upstream` re-raises the
-body's own :class:`~sidecar.errors.DownstreamError` instead, before any re-send decision.
+chunks); a broken limit fails the attempt with the body's own
+:class:`~sidecar.errors.DownstreamError`, before any re-send decision, and closes the upstream
+connection.
 """
 
 from __future__ import annotations
@@ -24,55 +27,36 @@ from collections.abc import AsyncIterator, Callable, Mapping
 
 import aiohttp
 from multidict import CIMultiDict
-from yarl import URL
 
 from sidecar.config import DownstreamSettings, UpstreamSettings
 from sidecar.errors import (
     DownstreamError,
     RequestBodyTimeout,
     RequestBodyTooLarge,
-    UpstreamConnectError,
-    UpstreamConnectTimeout,
     UpstreamDisconnected,
+    UpstreamError,
     UpstreamFirstByteTimeout,
-    UpstreamProtocolError,
-    UpstreamReadTimeout,
 )
+from sidecar.relay import (
+    MAX_HEADER_BYTES,
+    Origin,
+    UpstreamConnection,
+    UpstreamPool,
+    UpstreamResponse,
+    origin,
+    request_head,
+)
+
+__all__ = ["MAX_HEADER_BYTES", "READ_BUFFER_BYTES", "RequestBody", "open_upstream"]
 
 log = logging.getLogger(__name__)
 
-MAX_HEADER_BYTES = 65536
-# How much of a response the upstream session buffers (aiohttp pauses reading the engine's
-# socket at twice this): with the downstream write buffer, what one stream may hold in memory.
+# What the tunnel's upstream session buffers (sidecar.tunnel).
 READ_BUFFER_BYTES = 65536
 _NO_LIMITS = DownstreamSettings(body_timeout_s=None, max_body_bytes=0)
-
-# aiohttp adds these to every request unless told not to; a transparent hop must not.
-_SKIP_AUTO_HEADERS = ("Accept", "Accept-Encoding", "User-Agent", "Content-Type")
-
-
-def make_session(settings: UpstreamSettings, *, fresh: bool = False) -> aiohttp.ClientSession:
-    """The upstream client session. ``fresh=True`` gives one whose connections are never reused
-    (for the single re-send after a stale pooled connection)."""
-    connector = aiohttp.TCPConnector(
-        limit=settings.max_connections,
-        limit_per_host=0,
-        keepalive_timeout=None if fresh else settings.keepalive_timeout_s,
-        force_close=fresh,
-        enable_cleanup_closed=False,
-    )
-    return aiohttp.ClientSession(
-        connector=connector,
-        timeout=aiohttp.ClientTimeout(total=None, sock_connect=settings.connect_timeout_s),
-        auto_decompress=False,
-        cookie_jar=aiohttp.DummyCookieJar(),
-        skip_auto_headers=_SKIP_AUTO_HEADERS,
-        trust_env=False,
-        # The same header limits as the downstream side (aiohttp's default is 8190 bytes).
-        max_line_size=MAX_HEADER_BYTES,
-        max_field_size=MAX_HEADER_BYTES,
-        read_bufsize=READ_BUFFER_BYTES,
-    )
+# Methods aiohttp's client sent no ``Content-Length: 0`` for when there is no body (its
+# ClientRequest.GET_METHODS): kept, so the engine sees what it saw before.
+_NO_BODY_METHODS = frozenset({"GET", "HEAD", "OPTIONS", "TRACE"})
 
 
 async def read_body_chunk(content: aiohttp.StreamReader, limits: DownstreamSettings,
@@ -143,158 +127,158 @@ class RequestBody:
     def drop_copy(self) -> None:
         self._kept = None
 
-    def payload(self) -> AsyncIterator[bytes] | None:
-        """What to hand aiohttp as ``data``: ``None`` without a body, else a chunk iterator.
-        Once the body is complete, a further call replays the kept copy."""
-        if self.complete:
-            return self._replay() if self._kept else None
+    def to_send(self) -> tuple[list[bytes], bool]:
+        """What an attempt writes at once, and whether that is the whole body: every byte read
+        so far (a re-send's replay, or a prefix read before), then what the client already sent
+        and aiohttp holds, read without waiting (the whole of most bodies). Call :meth:`sent`
+        once it is written if it is whole. Raises :class:`RequestBodyTooLarge` if that breaks
+        ``max_body_bytes``."""
+        parts = list(self._kept or ())
+        content = self._content
+        if content is None or self.complete:
+            return parts, True
+        chunk = content.read_nowait(-1)
+        if chunk:
+            self._take(chunk)
+            parts.append(chunk)
+        return parts, content.at_eof()
+
+    def sent(self) -> None:
+        """The last body byte was written upstream."""
+        if not self.complete:
+            self.complete = True
+            self.sent_at = time.monotonic()
+
+    async def rest(self) -> AsyncIterator[bytes]:
+        """The rest of the body, as the client sends it (after :meth:`to_send`)."""
         assert self._content is not None
-        return self._relay(self._content)
-
-    async def _replay(self) -> AsyncIterator[bytes]:
-        for chunk in self._kept or ():
-            yield chunk
-
-    async def _relay(self, content: aiohttp.StreamReader) -> AsyncIterator[bytes]:
-        for chunk in list(self._kept or ()):  # a re-send: what the failed attempt already read
-            yield chunk
         while True:
             try:
-                chunk = await read_body_chunk(content, self._limits, self._received)
+                chunk = await read_body_chunk(self._content, self._limits, self._received)
             except DownstreamError as exc:
                 self.failure = exc
                 raise
             if not chunk:
                 break
-            self._received += len(chunk)
-            if self._kept is not None:
-                self._kept_bytes += len(chunk)
-                if self._kept_bytes <= self._keep_limit:
-                    self._kept.append(chunk)
-                else:
-                    self._kept = None
+            self._take(chunk)
             yield chunk
-        self.complete = True
-        self.sent_at = time.monotonic()
+        self.sent()
+
+    def _take(self, chunk: bytes) -> None:
+        limit = self._limits.max_body_bytes
+        if limit and self._received + len(chunk) > limit:
+            self.failure = RequestBodyTooLarge(f"request body over the limit of {limit} bytes")
+            raise self.failure
+        self._received += len(chunk)
+        if self._kept is not None:
+            self._kept_bytes += len(chunk)
+            if self._kept_bytes <= self._keep_limit:
+                self._kept.append(chunk)
+            else:
+                self._kept = None
 
 
 async def open_upstream(
-    sessions: tuple[aiohttp.ClientSession, aiohttp.ClientSession],
+    pool: UpstreamPool,
     settings: UpstreamSettings,
     method: str,
-    url: URL,
+    base_url: str,
+    target: str,
     headers: CIMultiDict[str],
     body: RequestBody,
     request_id: str,
     wanted: Callable[[], bool] = lambda: True,
-) -> aiohttp.ClientResponse:
-    """Send the request upstream and return once its response headers arrived.
+) -> UpstreamResponse:
+    """Send the request to the engine at ``base_url`` (an origin) and return once its response
+    head arrived; its body is then relayed with :meth:`UpstreamResponse.relay`.
 
-    ``sessions`` is (pooled, fresh). ``wanted()`` False (the client left) forbids the re-send
-    after a dropped connection: the engine would get the request again for nobody. Raises
-    :class:`UpstreamConnectError`, :class:`UpstreamConnectTimeout`,
-    :class:`UpstreamFirstByteTimeout`, :class:`UpstreamProtocolError` (headers that do not
-    parse) or :class:`UpstreamDisconnected`
-    (closed or reset before complete headers, after the one re-send);
-    :class:`~sidecar.errors.RequestBodyTooLarge` or :class:`~sidecar.errors.RequestBodyTimeout`
-    if the client's body broke a limit first (never re-sent). Cancellation propagates untouched;
-    aiohttp then closes the half-used connection itself.
+    ``target`` is the origin-form path and query (:func:`origin_form`). A request whose
+    connection is closed or reset before any response byte (a stale pooled connection) is sent
+    once more on a fresh connection if every body byte read so far was kept, unless
+    ``wanted()`` is False (the client left: the engine would get the request again for nobody).
+    Raises :class:`UpstreamConnectError`, :class:`UpstreamConnectTimeout`,
+    :class:`UpstreamFirstByteTimeout`, :class:`UpstreamProtocolError` (a head that does not
+    parse) or :class:`UpstreamDisconnected` (closed or reset before the head, after the one
+    re-send); :class:`~sidecar.errors.RequestBodyTooLarge` or
+    :class:`~sidecar.errors.RequestBodyTimeout` if the client's body broke a limit first (never
+    re-sent). On any failure or cancellation the connection is closed, never pooled.
     """
-    pooled, fresh = sessions
-    session = pooled
+    engine = origin(base_url)
+    fresh = False
     while True:
         try:
             async with asyncio.timeout(settings.first_byte_timeout_s):
-                return await _send(session, method, url, headers, body)
+                return await _attempt(pool, engine, method, target, headers, body, fresh)
         except DownstreamError:
             raise
-        except aiohttp.ConnectionTimeoutError as exc:
-            raise UpstreamConnectTimeout(
-                f"no connection to {url.origin()} within {settings.connect_timeout_s}s") from exc
-        except aiohttp.ClientConnectorError as exc:
-            raise UpstreamConnectError(f"cannot connect to {url.origin()}: {exc.os_error}") from exc
-        except (aiohttp.ServerDisconnectedError, aiohttp.ClientOSError) as exc:
-            if session is pooled and body.resendable and wanted():
+        except UpstreamDisconnected as exc:
+            if not fresh and body.resendable and wanted():
                 log.info("request %s: upstream connection dropped before the response (%s); "
                          "sending again on a fresh connection", request_id, exc)
-                session = fresh
+                fresh = True
                 continue
-            raise UpstreamDisconnected(
-                f"{url.origin()} closed the connection before responding: {exc}") from exc
-        except aiohttp.ClientResponseError as exc:
-            raise UpstreamProtocolError(
-                f"{url.origin()} sent a malformed response") from exc
+            raise
+        except UpstreamError:
+            raise
         except TimeoutError as exc:
             raise UpstreamFirstByteTimeout(
-                f"no response from {url.origin()} within {settings.first_byte_timeout_s}s"
-            ) from exc
+                f"no response from {engine} within {settings.first_byte_timeout_s}s") from exc
 
 
-class ReadDeadline:
-    """Bounds each wait for the next response body chunk to ``timeout_s`` seconds.
-
-    The relay calls :meth:`reading` before each ``readany()`` and :meth:`done` after it: a clock
-    read and two attribute stores per chunk. One timer, re-armed at most once per ``timeout_s``,
-    checks the mark, so a steady stream costs no timer per chunk. (aiohttp's ``sock_read``
-    re-arms a timer on every socket read, about 1.9 us against 0.05 us here on uvloop, and also
-    bounds the wait for the response headers, which is ``first_byte_timeout_s``'s job.) Time the
-    relay spends writing to a slow client is not counted. On expiry the pending read raises
-    :class:`UpstreamReadTimeout`, set on ``content``. ``timeout_s=None``: no bound, no timer.
-    Call :meth:`cancel` when the relay ends, however it ends.
-    """
-
-    __slots__ = ("_content", "_handle", "_loop", "_origin", "_timeout", "since")
-
-    def __init__(self, content: aiohttp.StreamReader, timeout_s: float | None,
-                 origin: str) -> None:
-        self._content = content
-        self._timeout = timeout_s
-        self._origin = origin
-        self._loop = asyncio.get_running_loop()
-        self.since: float | None = None  # loop time the pending read began; None: not reading
-        self._handle = (None if timeout_s is None
-                        else self._loop.call_later(timeout_s, self._check, timeout_s))
-
-    def reading(self) -> None:
-        self.since = self._loop.time()
-
-    def done(self) -> None:
-        self.since = None
-
-    def cancel(self) -> None:
-        if self._handle is not None:
-            self._handle.cancel()
-            self._handle = None
-
-    def _check(self, timeout_s: float) -> None:
-        now, since = self._loop.time(), self.since
-        if since is None:  # writing downstream: the upstream is not being waited for
-            self._handle = self._loop.call_later(timeout_s, self._check, timeout_s)
-        elif now - since < timeout_s - _CLOCK_RESOLUTION_S:
-            self._handle = self._loop.call_at(since + timeout_s, self._check, timeout_s)
-        elif not self._content.is_eof():
-            self._handle = None
-            self._content.set_exception(UpstreamReadTimeout(
-                f"no response body byte from {self._origin} within {timeout_s}s"))
-
-
-_CLOCK_RESOLUTION_S = 0.001  # uvloop's clock and timers count milliseconds
-
-
-async def _send(session: aiohttp.ClientSession, method: str, url: URL,
-                headers: CIMultiDict[str], body: RequestBody) -> aiohttp.ClientResponse:
-    """One attempt. aiohttp's body writer hands an exception from the body iterator to the
-    response reader: an ``OSError`` (our :class:`RequestBodyTimeout` is a ``TimeoutError``) as
-    is, anything else wrapped in ``ClientConnectionError`` (``client_reqrep.write_bytes``); it
-    then closes the connection. Either way the body's own failure is what is raised."""
+async def _attempt(pool: UpstreamPool, engine: Origin, method: str, target: str,
+                   headers: CIMultiDict[str], body: RequestBody,
+                   fresh: bool) -> UpstreamResponse:
+    """One attempt: the head and what is already here of the body written in one write, the
+    rest of the body relayed by a task of its own (the engine may answer before it ends)."""
+    connection = await pool.connection(engine, fresh)
     try:
-        return await session.request(method, url, headers=headers, data=body.payload(),
-                                     allow_redirects=False, compress=None)
-    except (aiohttp.ClientError, OSError) as exc:
-        failure = body.failure
-        if failure is None or isinstance(exc, DownstreamError):
-            raise
-        raise failure from failure.__cause__  # not from exc: its cause is the failure itself
+        parts, whole = body.to_send()
+    except DownstreamError:
+        connection.close()
+        raise
+    if not whole:
+        framing = None if "Content-Length" in headers else "Transfer-Encoding: chunked"
+    elif "Content-Length" in headers or (not parts and method in _NO_BODY_METHODS):
+        framing = None
+    else:
+        framing = f"Content-Length: {sum(map(len, parts))}"
+    chunked = framing is not None and framing.startswith("Transfer")
+    head = request_head(method, target, engine, headers, framing)
+    response = connection.send(head, [_chunk(p) for p in parts] if chunked else parts,
+                               head_only=method == "HEAD")
+    if whole:
+        body.sent()
+    else:
+        response.uploading = pool.tasks.spawn(_upload(connection, response, body, chunked),
+                                              name=f"request body to {engine}")
+    try:
+        await response.head
+    except BaseException:
+        response.close()
+        raise
+    return response
+
+
+async def _upload(connection: UpstreamConnection, response: UpstreamResponse,
+                  body: RequestBody, chunked: bool) -> None:
+    """Relay the rest of the request body after what :func:`_attempt` wrote. A body that
+    breaks a ``downstream`` limit fails the attempt with its :class:`DownstreamError` and
+    closes the connection; a connection lost meanwhile ends the upload (the attempt itself
+    fails with the loss)."""
+    try:
+        async for piece in body.rest():
+            await connection.write_body(_chunk(piece) if chunked else piece)
+        if chunked:
+            await connection.write_body(b"0\r\n\r\n")
+    except DownstreamError as exc:
+        response.fail(exc)
+        connection.close()
+    except ConnectionResetError:
+        pass
+
+
+def _chunk(piece: bytes) -> bytes:
+    return b"%x\r\n%b\r\n" % (len(piece), piece)
 
 
 def origin_form(raw_target: str, rel_path_qs: str) -> str | None:
@@ -308,11 +292,6 @@ def origin_form(raw_target: str, rel_path_qs: str) -> str | None:
     if raw_target.startswith("/"):
         return raw_target
     return rel_path_qs if rel_path_qs.startswith("/") and raw_target != "*" else None
-
-
-def upstream_url(base_url: str, target: str) -> URL:
-    """``base_url`` (an origin) + an origin-form ``target`` from :func:`origin_form`."""
-    return URL(base_url + target, encoded=True)
 
 
 def content_length(headers: Mapping[str, str]) -> int | None:

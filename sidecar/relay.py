@@ -1,0 +1,525 @@
+"""The relay: connections to engines as asyncio protocols, each response body written from the
+engine's socket straight to the client's transport.
+
+Why not aiohttp's client here: it hands every body chunk to the handler through a
+``StreamReader``, so each SSE event cost a task wake-up, aiohttp's chunk framing and two
+``await``s (the profile of ``python -m bench``: about 55% of the proxy's CPU per event). Here
+each socket read is one Python step::
+
+    uvloop -> UpstreamConnection.data_received(data)      the engine's bytes
+           -> httptools (llhttp) parses them: on_body(piece)
+           -> Downstream.write(piece): chunk framing, transport.write to the client
+
+    UpstreamPool (one per config generation): keep-alive connections per engine origin, each
+        idle one closed after ``keepalive_timeout_s``; ``max_connections`` bounds those in use
+    UpstreamConnection (asyncio.Protocol): one request at a time; a response read to its end
+        with keep-alive goes back to the pool, any other is closed
+    UpstreamResponse: one attempt's response: its head (a future), then its body relayed
+    Downstream: the client's side: framing, counters, backpressure
+
+Backpressure: when the client's transport holds more than its high-water mark
+(``downstream.write_buffer_bytes``), the downstream protocol's ``pause_writing`` pauses reading
+the engine's socket, and ``resume_writing`` resumes it; the engine's writes then wait in the
+kernel's buffers. aiohttp still terminates client connections, parses requests and writes the
+response head (:class:`sidecar.downstream.DownstreamHandler` carries the two hooks).
+
+Errors are :mod:`sidecar.errors`: :class:`UpstreamConnectError`/:class:`UpstreamConnectTimeout`
+(connect), :class:`UpstreamDisconnected` (the engine closed or reset the connection: before the
+head, or mid-body), :class:`UpstreamProtocolError` (bytes that are not an HTTP/1.x response, a
+header field over ``MAX_HEADER_BYTES``), :class:`UpstreamReadTimeout` (no body byte within
+``read_timeout_s`` while the client was not the one slowing the relay).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import ssl
+from collections import deque
+from collections.abc import Iterable
+from functools import lru_cache
+from typing import cast
+from urllib.parse import urlsplit
+
+import httptools
+from multidict import CIMultiDict, CIMultiDictProxy
+
+from sidecar.config import UpstreamSettings
+from sidecar.errors import (
+    UpstreamConnectError,
+    UpstreamConnectTimeout,
+    UpstreamDisconnected,
+    UpstreamError,
+    UpstreamProtocolError,
+    UpstreamReadTimeout,
+)
+from sidecar.tasks import TaskSet
+
+MAX_HEADER_BYTES = 65536  # one header field (request or response; aiohttp's default: 8190)
+MAX_HEAD_BYTES = 4 * MAX_HEADER_BYTES
+SSE_DONE = b"data: [DONE]\n\n"
+_CLOCK_RESOLUTION_S = 0.001  # uvloop's clock and timers count milliseconds
+
+
+class Origin:
+    """Where an engine listens: ``host``, ``port``, TLS or not, and the ``Host`` field to send."""
+
+    __slots__ = ("host", "host_field", "port", "tls")
+
+    def __init__(self, base_url: str) -> None:
+        parts = urlsplit(base_url)
+        self.tls = parts.scheme == "https"
+        self.host = parts.hostname or ""
+        self.port = parts.port or (443 if self.tls else 80)
+        self.host_field = parts.netloc
+
+    def __str__(self) -> str:
+        return f"{'https' if self.tls else 'http'}://{self.host_field}"
+
+
+@lru_cache(maxsize=1024)
+def origin(base_url: str) -> Origin:
+    """The :class:`Origin` of an engine's ``base_url`` (``scheme://host:port``), parsed once."""
+    return Origin(base_url)
+
+
+class Downstream:
+    """The client's side of the byte path: frames each body piece as the client's response
+    needs (chunked, or raw for a length- or close-delimited one), writes it to the client's
+    transport and keeps what the proxy asks about afterwards: ``bytes_sent``, the last piece
+    (``tail``) and whether the stream ended with the OpenAI end event (``saw_done_event``).
+
+    ``paused``: the client's transport is over its high-water mark (``pause_writing``): the
+    engine's socket is not read, and that time does not count toward ``read_timeout_s``.
+    """
+
+    __slots__ = ("bytes_sent", "chunked", "paused", "saw_done_event", "tail", "transport",
+                 "upstream")
+
+    def __init__(self, transport: asyncio.Transport, chunked: bool) -> None:
+        self.transport = transport
+        self.chunked = chunked
+        self.bytes_sent = 0
+        self.tail = b""
+        self.saw_done_event = False
+        self.paused = False
+        self.upstream: UpstreamResponse | None = None
+
+    def write(self, piece: bytes) -> None:
+        """Relay one body piece. Raises ``ConnectionResetError`` if the client is gone."""
+        transport = self.transport
+        if transport.is_closing():
+            raise ConnectionResetError("the client's connection is closing")
+        # The OpenAI end-of-stream event means the engine is done: a client that closes on
+        # reading it (before the upstream's final chunk) is not a disconnect.
+        self.saw_done_event = (piece if len(piece) >= len(SSE_DONE)
+                               else self.tail + piece).endswith(SSE_DONE)
+        self.tail = piece
+        self.bytes_sent += len(piece)
+        transport.write(b"%x\r\n%b\r\n" % (len(piece), piece) if self.chunked else piece)
+
+    def pause_writing(self) -> None:
+        """From the client's protocol: its transport is over the high-water mark."""
+        self.paused = True
+        if self.upstream is not None:
+            self.upstream.connection.pause_reading()
+
+    def resume_writing(self) -> None:
+        """From the client's protocol: its transport drained below the low-water mark."""
+        self.paused = False
+        if self.upstream is not None:
+            self.upstream.resumed()
+
+
+class UpstreamResponse:
+    """One attempt's response on an :class:`UpstreamConnection`: the httptools callbacks.
+
+    ``head`` resolves once the status line and headers are parsed (``status``, ``reason``,
+    ``headers``), or raises the attempt's :class:`~sidecar.errors.UpstreamError`. Body pieces
+    that arrive before :meth:`relay` are kept in order.
+    """
+
+    def __init__(self, connection: UpstreamConnection, head_only: bool) -> None:
+        loop = connection.loop
+        self.connection = connection
+        self.parser = httptools.HttpResponseParser(self)
+        self.head: asyncio.Future[None] = loop.create_future()
+        self.done: asyncio.Future[None] | None = None  # while relaying
+        self.head_only = head_only
+        self.status = 0
+        self.reason = ""
+        self.headers: CIMultiDictProxy[str] = CIMultiDictProxy(CIMultiDict())
+        self._fields: list[tuple[str, str]] = []
+        self.uploading: asyncio.Task[None] | None = None  # the rest of the request body
+        self.head_bytes = 0
+        self.complete = False  # the whole response was read
+        self.failure: BaseException | None = None
+        self.pending: list[bytes] = []  # body pieces before relay()
+        self.downstream: Downstream | None = None
+        self.reading_since: float | None = None  # loop time the relay began waiting for bytes
+        self._timer: asyncio.TimerHandle | None = None
+
+    # httptools callbacks
+    def on_message_begin(self) -> None:
+        if self.complete:  # bytes after the whole response: the engine's framing is off
+            raise UpstreamProtocolError("bytes after the end of the response")
+
+    def on_status(self, reason: bytes) -> None:
+        self.reason += reason.decode("utf-8", "surrogateescape")
+
+    def on_header(self, name: bytes, value: bytes) -> None:
+        if len(name) + len(value) > MAX_HEADER_BYTES:
+            raise UpstreamProtocolError(f"a response header field over {MAX_HEADER_BYTES} bytes")
+        self._fields.append((name.decode("utf-8", "surrogateescape"),
+                             value.decode("utf-8", "surrogateescape")))
+
+    def on_headers_complete(self) -> None:
+        self.status = self.parser.get_status_code()
+        if self.status < 200:  # an interim answer to a request that asked for none
+            raise UpstreamProtocolError(f"an unexpected interim response {self.status}")
+        self.headers = CIMultiDictProxy(CIMultiDict(self._fields))
+        self.head.set_result(None)
+        if self.head_only:  # a response to HEAD: no body, whatever its framing says
+            raise _HeadOnly
+
+    def on_body(self, piece: bytes) -> None:
+        if self.downstream is None:
+            self.pending.append(piece)
+        else:
+            self.downstream.write(piece)
+
+    def on_message_complete(self) -> None:
+        self.complete = True
+        self.connection.finished(self, self.parser.should_keep_alive())
+        if self.done is not None and not self.done.done():
+            self.done.set_result(None)
+
+    # the handler's side
+    async def relay(self, downstream: Downstream, read_timeout_s: float | None) -> None:
+        """Relay the body to ``downstream`` and return once it is whole. Raises
+        :class:`UpstreamDisconnected` (the engine's side cut it short),
+        :class:`UpstreamProtocolError`, :class:`UpstreamReadTimeout`, or
+        ``ConnectionResetError`` if the client is gone. Cancellation leaves the connection to
+        :meth:`close`."""
+        self.downstream = downstream
+        downstream.upstream = self
+        pending, self.pending = self.pending, []
+        for piece in pending:
+            downstream.write(piece)
+        if self.complete:
+            return
+        if self.failure is not None:
+            raise self.failure
+        loop = self.connection.loop
+        self.done = loop.create_future()
+        self.reading_since = loop.time()
+        if read_timeout_s is not None:
+            self._timer = loop.call_later(read_timeout_s, self._check, read_timeout_s)
+        try:
+            await self.done
+        finally:
+            if self._timer is not None:
+                self._timer.cancel()
+            self.downstream = downstream.upstream = None
+
+    def resumed(self) -> None:
+        self.reading_since = self.connection.loop.time()
+        self.connection.resume_reading()
+
+    def fail(self, exc: BaseException) -> None:
+        """The attempt failed: its head or its body relay raises ``exc``."""
+        if self.failure is None:
+            self.failure = exc
+        if not self.head.done():
+            self.head.set_exception(exc)
+            self.head.exception()  # retrieved: a re-sent attempt may never await it
+        elif self.done is not None and not self.done.done():
+            self.done.set_exception(exc)
+
+    def close(self) -> None:
+        """A response not read to its end: its connection is never used again."""
+        if not self.complete:
+            self.connection.close()
+        if self.uploading is not None:
+            self.uploading.cancel()
+
+    def _check(self, timeout_s: float) -> None:
+        """The read deadline: one timer re-armed at most once per ``timeout_s``; a piece read
+        moves ``reading_since`` (:meth:`UpstreamConnection.data_received`)."""
+        loop = self.connection.loop
+        since = self.reading_since
+        downstream = self.downstream
+        if downstream is not None and downstream.paused:  # the client is slow, not the engine
+            self._timer = loop.call_later(timeout_s, self._check, timeout_s)
+        elif since is not None and loop.time() - since < timeout_s - _CLOCK_RESOLUTION_S:
+            self._timer = loop.call_at(since + timeout_s, self._check, timeout_s)
+        else:
+            self._timer = None
+            self.fail(UpstreamReadTimeout(
+                f"no response body byte from {self.connection.origin} within {timeout_s}s"))
+            self.connection.close()
+
+
+class _HeadOnly(Exception):
+    """Raised from ``on_headers_complete`` to stop httptools at the end of a head with no body
+    (llhttp's "skip the body" answer is not reachable through httptools)."""
+
+
+class UpstreamConnection(asyncio.Protocol):
+    """One keep-alive HTTP/1.1 connection to an engine, carrying one request at a time."""
+
+    def __init__(self, pool: UpstreamPool, origin: Origin) -> None:
+        self.pool = pool
+        self.origin = origin
+        self.loop = asyncio.get_running_loop()
+        self.transport: asyncio.Transport | None = None
+        self.response: UpstreamResponse | None = None  # the attempt in flight
+        self.in_use = False  # counted against max_connections (UpstreamPool)
+        self.idle = False  # in the pool's idle list
+        self.keepalive: asyncio.TimerHandle | None = None
+        self._drained: asyncio.Future[None] | None = None  # while writing waits (pause_writing)
+        self._reading = True
+
+    # asyncio.Protocol
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        self.transport = cast(asyncio.Transport, transport)  # uvloop's is no subclass of it
+
+    def data_received(self, data: bytes) -> None:
+        response = self.response
+        if response is None:  # bytes nobody asked for: the framing is lost
+            self.close()
+            return
+        response.reading_since = self.loop.time()
+        if not response.head.done():
+            response.head_bytes += len(data)
+            if response.head_bytes > MAX_HEAD_BYTES:
+                self._failed(response, UpstreamProtocolError(
+                    f"{self.origin} sent a response head over {MAX_HEAD_BYTES} bytes"))
+                return
+        try:
+            response.parser.feed_data(data)
+        except httptools.HttpParserCallbackError as exc:
+            cause = exc.__context__
+            if isinstance(cause, _HeadOnly):
+                response.on_message_complete()
+            elif isinstance(cause, ConnectionResetError):  # the client is gone mid-write
+                self.pause_reading()
+                response.fail(cause)
+            else:
+                self._failed(response, cause if isinstance(cause, UpstreamError) else
+                             UpstreamProtocolError(f"{self.origin} sent a malformed response"))
+        except httptools.HttpParserError as exc:
+            self._failed(response, UpstreamProtocolError(
+                f"{self.origin} sent bytes that are not an HTTP/1.x response: "
+                f"{type(exc).__name__}"))
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self.transport = None
+        self.resume_writing()  # an upload waiting to write finds the connection closed
+        if self.keepalive is not None:
+            self.keepalive.cancel()
+        self.pool.lost(self)
+        response = self.response
+        if response is None or response.complete:
+            return
+        if response.head.done() and _close_delimited(response):
+            response.on_message_complete()  # its end is the close (HTTP/1.0 style)
+            return
+        where = "mid-response" if response.head.done() else "before responding"
+        response.fail(UpstreamDisconnected(
+            f"{self.origin} closed the connection {where}" + (f": {exc}" if exc else "")))
+
+    def pause_writing(self) -> None:
+        self._drained = self.loop.create_future()
+
+    def resume_writing(self) -> None:
+        drained, self._drained = self._drained, None
+        if drained is not None and not drained.done():
+            drained.set_result(None)
+
+    # the pool's and the handler's side
+    def send(self, head: bytes, body: Iterable[bytes], head_only: bool) -> UpstreamResponse:
+        """Write a request (``head`` and the ``body`` framed as its head says) and return its
+        :class:`UpstreamResponse`; more of the body may follow through :meth:`write_body`."""
+        assert self.transport is not None and self.response is None
+        response = self.response = UpstreamResponse(self, head_only)
+        self.transport.write(b"".join((head, *body)))
+        return response
+
+    async def write_body(self, data: bytes) -> None:
+        """Write more of the request body, waiting while the engine reads slowly. Raises
+        ``ConnectionResetError`` if the connection is closed."""
+        transport = self.transport
+        if transport is None or transport.is_closing():
+            raise ConnectionResetError("the upstream connection is closed")
+        transport.write(data)
+        if self._drained is not None:
+            await asyncio.shield(self._drained)
+
+    def pause_reading(self) -> None:
+        transport = self.transport
+        if self._reading and transport is not None and not transport.is_closing():
+            self._reading = False
+            transport.pause_reading()
+
+    def resume_reading(self) -> None:
+        transport = self.transport
+        if not self._reading and transport is not None and not transport.is_closing():
+            self._reading = True
+            transport.resume_reading()
+
+    def finished(self, response: UpstreamResponse, keep_alive: bool) -> None:
+        """``response`` was read to its end: back to the pool if the engine keeps the
+        connection open, else closed."""
+        if self.response is response:
+            self.response = None
+            if keep_alive and self.open:
+                self.pool.idle(self)
+            else:
+                self.close()
+
+    def close(self) -> None:
+        transport = self.transport
+        if transport is not None and not transport.is_closing():
+            transport.close()
+
+    @property
+    def open(self) -> bool:
+        """True while the connection can carry a request (connected, reading, not closing)."""
+        transport = self.transport
+        return transport is not None and not transport.is_closing() and self._reading
+
+    def _failed(self, response: UpstreamResponse, exc: BaseException) -> None:
+        response.fail(exc)
+        self.close()
+
+
+def _close_delimited(response: UpstreamResponse) -> bool:
+    """True if the response's body ends with the connection (RFC 9112 section 6.3: neither
+    chunked nor a ``Content-Length``)."""
+    headers = response.headers
+    return ("Content-Length" not in headers
+            and not headers.get("Transfer-Encoding", "").lower().rstrip().endswith("chunked"))
+
+
+class UpstreamPool:
+    """Keep-alive connections to the engines of one config generation.
+
+    Idle connections are kept ``keepalive_timeout_s`` (below the engine's own idle timeout, so
+    the engine is rarely the one closing them) and reused most recent first;
+    ``max_connections`` (0: no limit) bounds connections in use and being opened: a request
+    over it waits for one to be released.
+    """
+
+    def __init__(self, settings: UpstreamSettings) -> None:
+        self.settings = settings
+        self._idle: dict[str, list[UpstreamConnection]] = {}
+        self._all: set[UpstreamConnection] = set()
+        self._in_use = 0
+        self._waiters: deque[asyncio.Future[None]] = deque()
+        self._tls: ssl.SSLContext | None = None
+        self.tasks = TaskSet()  # request bodies still being uploaded
+
+    async def connection(self, origin: Origin, fresh: bool = False) -> UpstreamConnection:
+        """An idle connection to ``origin`` (unless ``fresh``) or a new one. Raises
+        :class:`UpstreamConnectError` or :class:`UpstreamConnectTimeout`."""
+        idle = None if fresh else self._idle.get(origin.host_field)
+        while idle:
+            connection = idle.pop()
+            connection.idle = False
+            if connection.keepalive is not None:
+                connection.keepalive.cancel()
+                connection.keepalive = None
+            if connection.open:
+                connection.in_use = True
+                self._in_use += 1
+                return connection
+        limit = self.settings.max_connections
+        while limit and self._in_use >= limit:
+            waiter = asyncio.get_running_loop().create_future()
+            self._waiters.append(waiter)
+            try:
+                await waiter
+            except BaseException:
+                if waiter.done() and not waiter.cancelled():
+                    self._wake()  # pass the slot on
+                raise
+        self._in_use += 1
+        try:
+            return await self._connect(origin)
+        except BaseException:
+            self._release()
+            raise
+
+    async def _connect(self, origin: Origin) -> UpstreamConnection:
+        loop = asyncio.get_running_loop()
+        timeout_s = self.settings.connect_timeout_s
+        tls = None
+        if origin.tls:
+            tls = self._tls = self._tls or ssl.create_default_context()
+        try:
+            async with asyncio.timeout(timeout_s):
+                _, protocol = await loop.create_connection(
+                    lambda: UpstreamConnection(self, origin), origin.host, origin.port, ssl=tls)
+        except TimeoutError as exc:
+            raise UpstreamConnectTimeout(
+                f"no connection to {origin} within {timeout_s}s") from exc
+        except OSError as exc:
+            raise UpstreamConnectError(f"cannot connect to {origin}: {exc}") from exc
+        connection = protocol
+        connection.in_use = True
+        self._all.add(connection)
+        return connection
+
+    def idle(self, connection: UpstreamConnection) -> None:
+        """A connection that finished a response with keep-alive."""
+        connection.in_use = False
+        connection.idle = True
+        self._release()
+        loop = connection.loop
+        connection.keepalive = loop.call_later(self.settings.keepalive_timeout_s,
+                                               connection.close)
+        self._idle.setdefault(connection.origin.host_field, []).append(connection)
+
+    def lost(self, connection: UpstreamConnection) -> None:
+        """``connection`` closed: forget it (and free its slot if it was in use)."""
+        if connection not in self._all:
+            return
+        self._all.discard(connection)
+        if connection.idle:
+            connection.idle = False
+            self._idle[connection.origin.host_field].remove(connection)
+        if connection.in_use:
+            connection.in_use = False
+            self._release()
+
+    def _release(self) -> None:
+        self._in_use -= 1
+        self._wake()
+
+    def _wake(self) -> None:
+        while self._waiters:
+            waiter = self._waiters.popleft()
+            if not waiter.done():
+                waiter.set_result(None)
+                return
+
+    async def close(self) -> None:
+        """Close every connection (at a generation's end, once no request uses it)."""
+        for connection in list(self._all):
+            connection.idle = False
+            connection.close()
+        self._idle.clear()
+        await self.tasks.drain(0)
+
+
+def request_head(method: str, target: str, origin: Origin, headers: CIMultiDict[str],
+                 framing: str | None) -> bytes:
+    """An HTTP/1.1 request head: ``Host`` first (as aiohttp's client sent it), the headers in
+    order, then ``framing`` (``Transfer-Encoding: chunked`` or ``Content-Length: 0``) if
+    given."""
+    lines = [f"{method} {target} HTTP/1.1\r\nHost: {origin.host_field}\r\n"]
+    lines.extend(f"{name}: {value}\r\n" for name, value in headers.items())
+    if framing is not None:
+        lines.append(framing + "\r\n")
+    lines.append("\r\n")
+    return "".join(lines).encode("utf-8", "surrogateescape")
