@@ -5,7 +5,10 @@ Data flow for one request (modules named after the nouns)::
     client request ──► route (route.py: longest prefix -> engine, and the engines to abort)
                    ──► engine adapter tags ids (engine/: X-Request-Id, or a body field such
                        as SGLang's rid, = a sidecar-minted id)
-                   ──► upstream stream (upstream.py: pooled; body and response relayed per chunk)
+                   ──► upstream request (upstream.py: sent, re-sent once after a stale
+                       connection) and its response (relay.py: pooled connections as asyncio
+                       protocols; each body piece goes from the engine's socket to the
+                       client's transport in the read callback)
     client disconnect (aiohttp cancels the handler: proxy.py)
                    ──► upstream closed + engine abort (abort.py: own task, bounded, counted;
                        one per abort engine of the route, concurrently, and one at the engine
@@ -16,7 +19,7 @@ that flow after the route: ``tunnel.py`` relays the engine's ``101`` and then sp
 sockets byte for byte; either side's close or reset closes the other at once, never an abort.
 
 ``config.py`` turns YAML into frozen settings; ``runtime.py`` turns settings into one swappable
-generation (adapters, router, sessions; SIGHUP swaps it) and counts requests in flight;
+generation (adapters, router, upstream pool; SIGHUP swaps it) and counts requests in flight;
 ``app.py`` builds the proxy and admin applications with their state under typed keys;
 ``server.py`` runs them as production does and drains them on SIGTERM; ``workers.py``
 supervises ``--workers N`` processes on one port; ``cli.py`` is the ``cancel-sidecar`` command;
