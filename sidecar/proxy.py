@@ -35,7 +35,6 @@ import asyncio
 import json
 import logging
 import math
-import os
 import socket
 import struct
 import time
@@ -367,23 +366,19 @@ class Exchange:
         the handler's teardown, paced (:class:`sidecar.downstream.TeardownPacer`), closes it.
 
         Reading is paused: a chunk the engine still sends would only wake the handler to find
-        the client gone and tear it down out of its turn. The socket is shut down (both ways:
-        the engine reads EOF, what it still sends is dropped) in a callback queued behind the
-        abort flush, so the abort call is on the wire first and the engine sees the close at
-        once, as it would a reverse proxy's; uvloop, not reading, does not notice. The
-        connection is never pooled again (the teardown closes it: :meth:`close`)."""
+        the client gone and tear it down out of its turn (a piece already read is dropped:
+        :attr:`sidecar.relay.Downstream.gone`). The connection's write side is shut down (the
+        engine reads EOF) in a callback queued behind the abort flush, so the abort call is on
+        the wire first and the engine sees the close at once, as it would a reverse proxy's.
+        The connection is never pooled again (the teardown closes it: :meth:`close`)."""
+        if self.downstream is not None:
+            self.downstream.gone = True
         connection = self.upstream.connection if self.upstream is not None else None
         transport = connection.transport if connection is not None else None
         if connection is None or transport is None or transport.is_closing():
             return  # the engine's side is closed already (its connection_lost is queued)
         connection.pause_reading()
-        # Duplicated now: by the time the callback runs, the handler may have closed the
-        # connection and its descriptor number may name another socket.
-        try:
-            sock = socket.socket(fileno=os.dup(transport.get_extra_info("socket").fileno()))
-        except OSError:
-            return  # no descriptor left to end: the teardown closes what remains
-        asyncio.get_running_loop().call_soon(_shut_down, sock)
+        asyncio.get_running_loop().call_soon(connection.end)
 
     def _stop(self, reason: str, *, disconnect: bool) -> None:
         if self.noticed_at is None:
@@ -606,16 +601,6 @@ class Exchange:
         if self.phase == "request_body" and self.request.transport is not None:
             self.request.transport.close()  # else aiohttp reads what is left: see _refuse_body
         return response
-
-
-def _shut_down(sock: socket.socket) -> None:
-    """``shutdown(SHUT_RDWR)`` on ``sock`` (a duplicate of a connection's descriptor: uvloop's
-    transport sockets refuse ``shutdown()``), then close the duplicate."""
-    with sock:
-        try:
-            sock.shutdown(socket.SHUT_RDWR)
-        except OSError:
-            pass  # reset by the engine meanwhile: nothing left to end
 
 
 def _left_first(exc: BaseException) -> ConnectionResetError:

@@ -92,8 +92,8 @@ class Downstream:
     engine's socket is not read, and that time does not count toward ``read_timeout_s``.
     """
 
-    __slots__ = ("bytes_sent", "chunked", "paused", "saw_done_event", "tail", "transport",
-                 "upstream")
+    __slots__ = ("bytes_sent", "chunked", "gone", "paused", "saw_done_event", "tail",
+                 "transport", "upstream")
 
     def __init__(self, transport: asyncio.Transport, chunked: bool) -> None:
         self.transport = transport
@@ -102,12 +102,16 @@ class Downstream:
         self.tail = b""
         self.saw_done_event = False
         self.paused = False
+        self.gone = False  # the client left and its abort is queued: the handler is told later
         self.upstream: UpstreamResponse | None = None
 
     def write(self, piece: bytes) -> None:
-        """Relay one body piece. Raises ``ConnectionResetError`` if the client is gone."""
+        """Relay one body piece. Raises ``ConnectionResetError`` if the client is gone, unless
+        :attr:`gone` (the proxy knows and tears the handler down in its turn): dropped then."""
         transport = self.transport
         if transport.is_closing():
+            if self.gone:
+                return
             raise ConnectionResetError("the client's connection is closing")
         # The OpenAI end-of-stream event means the engine is done: a client that closes on
         # reading it (before the upstream's final chunk) is not a disconnect.
@@ -278,6 +282,7 @@ class UpstreamConnection(asyncio.Protocol):
         self.keepalive: asyncio.TimerHandle | None = None
         self._drained: asyncio.Future[None] | None = None  # while writing waits (pause_writing)
         self._reading = True
+        self._ended = False  # end() was called: nothing more is written
 
     # asyncio.Protocol
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
@@ -349,7 +354,7 @@ class UpstreamConnection(asyncio.Protocol):
         """Write more of the request body, waiting while the engine reads slowly. Raises
         ``ConnectionResetError`` if the connection is closed."""
         transport = self.transport
-        if transport is None or transport.is_closing():
+        if transport is None or transport.is_closing() or self._ended:
             raise ConnectionResetError("the upstream connection is closed")
         transport.write(data)
         if self._drained is not None:
@@ -381,6 +386,15 @@ class UpstreamConnection(asyncio.Protocol):
         transport = self.transport
         if transport is not None and not transport.is_closing():
             transport.close()
+
+    def end(self) -> None:
+        """End the sidecar's side (a FIN: the engine reads EOF), once what was written is out;
+        the connection is never used again. (Not on TLS, which cannot half-close: the
+        connection is closed later.)"""
+        transport = self.transport
+        self._ended = True
+        if transport is not None and not transport.is_closing() and transport.can_write_eof():
+            transport.write_eof()
 
     @property
     def open(self) -> bool:
