@@ -231,12 +231,24 @@ class Exchange:
         transport.set_write_buffer_limits(high=self.runtime.settings.downstream.write_buffer_bytes)
         await response.prepare(request)
         self.status_sent = response.status
-        # From here the body goes from the engine's socket to the client's transport in the
-        # relay's protocol callbacks (sidecar.relay): aiohttp wrote the head, the relay frames
-        # the body as aiohttp chose (chunked, or as is) and aiohttp writes the end.
+        # aiohttp writes the head with the body that came with it (one write; with the end too
+        # if the whole response is here: a JSON answer, a short stream). From there the body
+        # goes from the engine's socket to the client's transport in the relay's protocol
+        # callbacks (sidecar.relay), framed as aiohttp chose (chunked, or as is), and aiohttp
+        # writes the end.
         writer = cast(StreamWriter, request.writer)
-        writer.send_headers()
         downstream = self.downstream = Downstream(transport, writer.chunked)
+        first = upstream.take_pending()
+        if first:
+            downstream.account(first)
+        if upstream.complete:
+            self.upstream_finished = True
+            await response.write_eof(first)
+            return response
+        if first:
+            await response.write(first)
+        else:
+            writer.send_headers()
         flow = cast(FlowHook, request.protocol)
         flow.flow = downstream
         try:

@@ -113,13 +113,18 @@ class Downstream:
             if self.gone:
                 return
             raise ConnectionResetError("the client's connection is closing")
+        self.account(piece)
+        transport.write(b"%x\r\n%b\r\n" % (len(piece), piece) if self.chunked else piece)
+
+    def account(self, piece: bytes) -> None:
+        """Count ``piece`` as relayed (:meth:`write`, or aiohttp's write of the head with the
+        body that came with it)."""
         # The OpenAI end-of-stream event means the engine is done: a client that closes on
         # reading it (before the upstream's final chunk) is not a disconnect.
         self.saw_done_event = (piece if len(piece) >= len(SSE_DONE)
                                else self.tail + piece).endswith(SSE_DONE)
         self.tail = piece
         self.bytes_sent += len(piece)
-        transport.write(b"%x\r\n%b\r\n" % (len(piece), piece) if self.chunked else piece)
 
     def pause_writing(self) -> None:
         """From the client's protocol: its transport is over the high-water mark."""
@@ -198,6 +203,11 @@ class UpstreamResponse:
             self.done.set_result(None)
 
     # the handler's side
+    def take_pending(self) -> bytes:
+        """The body bytes that arrived with or after the head, before :meth:`relay`."""
+        pending, self.pending = self.pending, []
+        return b"".join(pending)
+
     async def relay(self, downstream: Downstream, read_timeout_s: float | None) -> None:
         """Relay the body to ``downstream`` and return once it is whole. Raises
         :class:`UpstreamDisconnected` (the engine's side cut it short),
