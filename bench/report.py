@@ -154,7 +154,8 @@ def storm_table(storm: dict[str, Any]) -> list[str]:
 
 
 def targets(results: dict[str, Any]) -> list[tuple[str, str, bool | None]]:
-    """(target, measured value, met) for each target of issue 6; ``None``: not measured."""
+    """(target, measured value, met) for each target of issue 6, then issue 12's
+    (:func:`relay_targets`); ``None``: not measured."""
     phases = results["phases"]
     streams = phases.get("streams", {})
     ns = sorted({int(n) for per in streams.values() for n in per})
@@ -192,6 +193,7 @@ def targets(results: dict[str, Any]) -> list[tuple[str, str, bool | None]]:
     for interval, per in (phases.get("storm") or {}).items():
         add(f"abort call p99 <= 10 ms after client close (storm, {interval} ms/token)",
             _get(per, "sidecar", "abort_ms", "p99"), 10.0, "ms")
+    out.extend(relay_targets(results))
     vllm = results.get("vllm", {})
     if vllm.get("measured") and vllm.get("sidecar"):
         add("tokens generated after a disconnect on real vLLM <= 5 (max over runs)",
@@ -199,6 +201,65 @@ def targets(results: dict[str, Any]) -> list[tuple[str, str, bool | None]]:
     else:
         out.append(("tokens generated after a disconnect on real vLLM <= 5",
                     "not measured in this run", None))
+    return out
+
+
+def relay_targets(results: dict[str, Any]) -> list[tuple[str, str, bool | None]]:
+    """(target, measured value, met) for the done-when lines of issue 12 (the relay at nginx's
+    cost) that this run measures; ``None``: not measured."""
+    phases = results["phases"]
+    streams, sweep = phases.get("streams", {}), phases.get("sweep", {})
+    out: list[tuple[str, str, bool | None]] = []
+
+    def ratio(name: str, ours: float | None, theirs: float | None, limit: float,
+              unit: str = "") -> None:
+        if ours is None or not theirs:
+            out.append((name, "not measured", None))
+        else:
+            out.append((name, f"{ours:.3g}{unit} vs {theirs:.3g}{unit}: {ours / theirs:.2f}x",
+                        ours / theirs <= limit))
+
+    ratio("proxy CPU s per 100,000 events <= 1.2x nginx's (1 worker)",
+          _get(sweep, "sidecar", "cpu_s_per_100k"), _get(sweep, "nginx", "cpu_s_per_100k"), 1.2)
+    for pct, limit in (("p50", 0.3), ("p99", 1.0)):
+        value = _added(streams, "sidecar", "256", "probe", "ttft_ms", pct)
+        out.append((f"added TTFT {pct} <= {limit:g} ms at 256 streams (issue 12)",
+                    "not measured" if value is None else f"{value:.3f} ms",
+                    None if value is None else value <= limit))
+    value = _added(streams, "sidecar", "256", "main", "itl_ms", "p99")
+    out.append(("added ITL p99 <= 0.3 ms at 256 streams (issue 12)",
+                "not measured" if value is None else f"{value:.3f} ms",
+                None if value is None else value <= 0.3))
+    offered = _get(streams, "direct", "1000", "events_per_s")
+    delivered = _get(streams, "sidecar", "1000", "events_per_s")
+    if offered and delivered is not None:
+        out.append(("1,000 streams, 1 worker: >= 95% of the events direct delivers",
+                    f"{delivered:.0f}/s vs {offered:.0f}/s: {delivered / offered:.1%}",
+                    delivered / offered >= 0.95))
+    else:
+        out.append(("1,000 streams, 1 worker: >= 95% of the events direct delivers",
+                    "not measured", None))
+    ratio("1,000 streams, 1 worker: ITL p99 <= 2x direct's",
+          _get(streams, "sidecar", "1000", "main", "itl_ms", "p99"),
+          _get(streams, "direct", "1000", "main", "itl_ms", "p99"), 2.0, " ms")
+    w2 = _get(sweep, "sidecar-w2", "max_held_per_s")
+    nginx = _get(sweep, "nginx", "max_held_per_s")
+    out.append(("most events/s held with --workers 2 >= nginx's",
+                "not measured" if w2 is None or not nginx else f"{w2:.0f} vs {nginx:.0f}",
+                None if w2 is None or not nginx else w2 >= nginx))
+    ours = [r for r in _get(phases, "idle", "sidecar") or [] if r["per_stream_bytes"]]
+    theirs = [r for r in _get(phases, "idle", "nginx") or [] if r["per_stream_bytes"]]
+    pairs = [(a, b) for a in ours for b in theirs if a["streams"] == b["streams"]]
+    if pairs:
+        a, b = pairs[0]
+        ratio(f"memory per idle open stream <= 1.3x nginx's ({a['streams']} streams)",
+              a["per_stream_bytes"] / 1024, b["per_stream_bytes"] / 1024, 1.3, " KiB")
+    else:
+        out.append(("memory per idle open stream <= 1.3x nginx's", "not measured", None))
+    p99 = _get(phases, "storm", "20", "sidecar", "abort_ms", "p99")
+    out.append(("abort call p99 <= 25 ms after client close (storm, 20 ms/token; issue 12)",
+                "not measured" if p99 is None else f"{p99:.3f} ms",
+                None if p99 is None else p99 <= 25.0))
     return out
 
 
