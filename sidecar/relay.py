@@ -57,6 +57,8 @@ from sidecar.tasks import TaskSet
 MAX_HEADER_BYTES = 65536  # one header field (request or response; aiohttp's default: 8190)
 MAX_HEAD_BYTES = 4 * MAX_HEADER_BYTES
 SSE_DONE = b"data: [DONE]\n\n"
+# Interim statuses llhttp ends without a body (100 Continue, 102 Processing, 103 Early Hints)
+_INTERIM = frozenset({100, 102, 103})
 _CLOCK_RESOLUTION_S = 0.001  # uvloop's clock and timers count milliseconds
 
 
@@ -152,6 +154,7 @@ class UpstreamResponse:
         self.uploading: asyncio.Task[None] | None = None  # the rest of the request body
         self.head_bytes = 0
         self.complete = False  # the whole response was read
+        self.interim = False  # parsing a 1xx (skipped)
         self.failure: BaseException | None = None
         self.pending: list[bytes] = []  # body pieces before relay()
         self.downstream: Downstream | None = None
@@ -174,7 +177,15 @@ class UpstreamResponse:
 
     def on_headers_complete(self) -> None:
         self.status = self.parser.get_status_code()
-        if self.status < 200:  # an interim answer to a request that asked for none
+        if self.status in _INTERIM:
+            # RFC 9110 section 15.2: a client must parse 1xx answers it did not expect (as
+            # aiohttp's client did: skipped). llhttp ends them with no body; the final
+            # response follows.
+            self.interim = True
+            self._fields.clear()
+            self.reason = ""
+            return
+        if self.status < 200:  # 101 or an unknown 1xx: its framing is not HTTP/1.1's
             raise UpstreamProtocolError(f"an unexpected interim response {self.status}")
         self.headers = CIMultiDictProxy(CIMultiDict(self._fields))
         self.head.set_result(None)
@@ -188,6 +199,9 @@ class UpstreamResponse:
             self.downstream.write(piece)
 
     def on_message_complete(self) -> None:
+        if self.interim:  # the end of a 1xx: the final response is still to come
+            self.interim = False
+            return
         self.complete = True
         self.connection.finished(self, self.parser.should_keep_alive())
         if self.done is not None and not self.done.done():
