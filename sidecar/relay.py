@@ -88,7 +88,8 @@ class Downstream:
     """The client's side of the byte path: frames each body piece as the client's response
     needs (chunked, or raw for a length- or close-delimited one), writes it to the client's
     transport and keeps what the proxy asks about afterwards: ``bytes_sent``, the last piece
-    (``tail``) and whether the stream ended with the OpenAI end event (``saw_done_event``).
+    (``tail``; at least its last ``len(SSE_DONE)`` bytes) and whether the stream ended with the
+    OpenAI end event (``saw_done_event``).
 
     ``paused``: the client's transport is over its high-water mark (``pause_writing``): the
     engine's socket is not read, and that time does not count toward ``read_timeout_s``.
@@ -113,9 +114,11 @@ class Downstream:
             raise ConnectionResetError("the client's connection is closing")
         # The OpenAI end-of-stream event means the engine is done: a client that closes on
         # reading it (before the upstream's final chunk) is not a disconnect.
-        self.saw_done_event = (piece if len(piece) >= len(SSE_DONE)
-                               else self.tail + piece).endswith(SSE_DONE)
-        self.tail = piece
+        # ``tail``: the last piece, or, after a short one, the last len(SSE_DONE) bytes relayed
+        # (the end event may come in any number of pieces: one per chunk of the engine's).
+        tail = piece if len(piece) >= len(SSE_DONE) else (self.tail + piece)[-len(SSE_DONE):]
+        self.saw_done_event = tail.endswith(SSE_DONE)
+        self.tail = tail
         self.bytes_sent += len(piece)
         transport.write(b"%x\r\n%b\r\n" % (len(piece), piece) if self.chunked else piece)
 
