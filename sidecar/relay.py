@@ -439,19 +439,23 @@ class UpstreamPool:
     async def connection(self, origin: Origin, fresh: bool = False) -> UpstreamConnection:
         """An idle connection to ``origin`` (unless ``fresh``) or a new one. Raises
         :class:`UpstreamConnectError` or :class:`UpstreamConnectTimeout`."""
-        idle = None if fresh else self._idle.get(origin.host_field)
-        while idle:
-            connection = idle.pop()
-            connection.idle = False
-            if connection.keepalive is not None:
-                connection.keepalive.cancel()
-                connection.keepalive = None
-            if connection.open:
-                connection.in_use = True
-                self._in_use += 1
-                return connection
         limit = self.settings.max_connections
-        while limit and self._in_use >= limit:
+        while True:
+            # Looked at again after each wait: the slot released may be a connection gone
+            # back idle, to be reused rather than joined by a new one.
+            idle = None if fresh else self._idle.get(origin.host_field)
+            while idle:
+                connection = idle.pop()
+                connection.idle = False
+                if connection.keepalive is not None:
+                    connection.keepalive.cancel()
+                    connection.keepalive = None
+                if connection.open:
+                    connection.in_use = True
+                    self._in_use += 1
+                    return connection
+            if not limit or self._in_use < limit:
+                break
             waiter = asyncio.get_running_loop().create_future()
             self._waiters.append(waiter)
             try:
