@@ -338,9 +338,9 @@ class UpstreamConnection(asyncio.Protocol):
         response = self.response
         if response is None or response.complete:
             return
-        if response.head.done() and _close_delimited(response):
-            response.on_message_complete()  # its end is the close (HTTP/1.0 style)
-            return
+        if response.head.done() and exc is None and _close_delimited(response):
+            response.on_message_complete()  # its end is the close (HTTP/1.0 style): a FIN;
+            return  # a reset (exc) cuts it short
         where = "mid-response" if response.head.done() else "before responding"
         response.fail(UpstreamDisconnected(
             f"{self.origin} closed the connection {where}" + (f": {exc}" if exc else "")))
