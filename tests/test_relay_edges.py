@@ -410,7 +410,7 @@ async def test_bodiless_responses_keep_the_connection_pooled(
 LAX_RESPONSES = {
     # RFC 9112 section 7.1.1: BWS before a chunk extension's ";"
     "bws-before-chunk-ext": (b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n"
-                             b"5 ;e\r\nhello\r\n6\t; e\r\n world\r\n0\r\n\r\n"),
+                             b"5 ;e\r\nhello\r\n6\t;e\r\n world\r\n0\r\n\r\n"),
     # spaces after the chunk size (aiohttp's client: lenient_spaces_after_chunk_size)
     "spaces-after-chunk-size": (b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n"
                                 b"5  \r\nhello\r\n6\r\n world\r\n0\r\n\r\n"),
