@@ -147,6 +147,12 @@ class UpstreamResponse:
         loop = connection.loop
         self.connection = connection
         self.parser = httptools.HttpResponseParser(self)
+        # What aiohttp's client allowed engines (aiohttp/_http_parser.pyx, HttpResponseParser):
+        # header bytes llhttp calls invalid (control characters are refused by the proxy:
+        # has_forbidden_characters), a bare LF ending a line, whitespace after a chunk size.
+        self.parser.set_dangerous_leniencies(lenient_headers=True,
+                                             lenient_optional_cr_before_lf=True,
+                                             lenient_spaces_after_chunk_size=True)
         self.head: asyncio.Future[None] = loop.create_future()
         self.done: asyncio.Future[None] | None = None  # while relaying
         self.head_only = head_only
