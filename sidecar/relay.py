@@ -347,9 +347,12 @@ class UpstreamConnection(asyncio.Protocol):
         if response.head.done() and exc is None and _close_delimited(response):
             response.on_message_complete()  # its end is the close (HTTP/1.0 style): a FIN;
             return  # a reset (exc) cuts it short
-        where = "mid-response" if response.head.done() else "before responding"
-        response.fail(UpstreamDisconnected(
-            f"{self.origin} closed the connection {where}" + (f": {exc}" if exc else "")))
+        where = ("mid-response" if response.head.done()
+                 else "mid-head" if response.head_bytes else "before responding")
+        error = UpstreamDisconnected(
+            f"{self.origin} closed the connection {where}" + (f": {exc}" if exc else ""))
+        error.answered = response.head_bytes > 0
+        response.fail(error)
 
     def pause_writing(self) -> None:
         self._drained = self.loop.create_future()
