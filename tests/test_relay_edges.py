@@ -263,18 +263,39 @@ async def test_client_leaving_after_a_split_done_event_is_not_aborted(
 
 async def test_head_in_pieces_followed_by_a_large_body_is_relayed(
         start_sidecar: StartSidecar) -> None:
-    """A 7 KiB head whose last bytes arrive with 300 KB of body: the head is far under the
-    limit (256 KiB); the body bytes read with it are body, not head."""
-    body = bytes(range(256)) * 1200  # 307200 bytes
+    """An 8 KiB head whose last bytes arrive with 1 MiB of body, on a pooled connection whose
+    receive window grew (a 16 MiB response before it): one read then holds the end of the head
+    and up to 256000 body bytes. The head is far under the limit (256 KiB); the body bytes
+    read with it are body, not head."""
+    body = bytes(range(256)) * 4096
     fields = b"".join(b"X-Pad-%d: %s\r\n" % (i, b"p" * 100) for i in range(70))
-    head = b"HTTP/1.1 200 OK\r\nContent-Length: %d\r\n%b" % (len(body), fields)
-    async with scripted(replies(head, 0.1, b"\r\n" + body)) as engine:
+    warm = b"w" * (16 << 20)
+
+    async def script(seen: Seen, conn: Conn) -> bool:
+        if seen.target == "/warm":
+            conn.writer.write(b"HTTP/1.1 200 OK\r\nContent-Length: %d\r\n\r\n" % len(warm)
+                              + warm)
+        else:
+            conn.writer.write(b"HTTP/1.1 200 OK\r\nContent-Length: %d\r\n%b"
+                              % (len(body), fields))
+            await conn.writer.drain()
+            await asyncio.sleep(0.1)
+            conn.writer.write(b"\r\n" + body)
+        await conn.writer.drain()
+        return True
+
+    async with scripted(script) as engine:
         servers = await start(start_sidecar, engine)
-        async with asyncio.timeout(GUARD_S):
-            resp = await rawhttp.exchange(servers.proxy_port, get("/big"))
-    assert resp.status == 200 and resp.body == body, (
-        f"expected 200 and the {len(body)}-byte body byte-identical, got {resp.status} "
-        f"with {len(resp.body)} bytes: {resp.body[:200]!r}")
+        for round_ in range(3):
+            async with asyncio.timeout(GUARD_S * 2):
+                warmed = await rawhttp.exchange(servers.proxy_port, get("/warm"))
+                resp = await rawhttp.exchange(servers.proxy_port, get("/big"))
+            assert warmed.status == 200 and len(warmed.body) == len(warm), (
+                f"round {round_}: expected the 16 MiB warm-up whole, got {warmed.status} "
+                f"{len(warmed.body)} bytes")
+            assert resp.status == 200 and resp.body == body, (
+                f"round {round_}: expected 200 and the {len(body)}-byte body byte-identical, "
+                f"got {resp.status} with {len(resp.body)} bytes: {resp.body[:200]!r}")
 
 
 # --- max_connections: a waiter takes the connection that was released ---------------------------
