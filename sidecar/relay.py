@@ -312,12 +312,9 @@ class UpstreamConnection(asyncio.Protocol):
             self.close()
             return
         response.reading_since = self.loop.time()
-        if not response.head.done():
+        head_pending = not response.head.done()
+        if head_pending:
             response.head_bytes += len(data)
-            if response.head_bytes > MAX_HEAD_BYTES:
-                self._failed(response, UpstreamProtocolError(
-                    f"{self.origin} sent a response head over {MAX_HEAD_BYTES} bytes"))
-                return
         try:
             response.parser.feed_data(data)
         except httptools.HttpParserCallbackError as exc:
@@ -334,6 +331,12 @@ class UpstreamConnection(asyncio.Protocol):
             self._failed(response, UpstreamProtocolError(
                 f"{self.origin} sent bytes that are not an HTTP/1.x response: "
                 f"{type(exc).__name__}"))
+        else:
+            # Checked once the read is parsed: body bytes read with the end of the head are no
+            # part of it (one read holds up to 256000 bytes).
+            if head_pending and not response.head.done() and response.head_bytes > MAX_HEAD_BYTES:
+                self._failed(response, UpstreamProtocolError(
+                    f"{self.origin} sent a response head over {MAX_HEAD_BYTES} bytes"))
 
     def connection_lost(self, exc: Exception | None) -> None:
         self.transport = None

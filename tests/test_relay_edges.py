@@ -298,6 +298,20 @@ async def test_head_in_pieces_followed_by_a_large_body_is_relayed(
                 f"got {resp.status} with {len(resp.body)} bytes: {resp.body[:200]!r}")
 
 
+async def test_a_head_that_never_ends_is_refused_at_the_limit(
+        start_sidecar: StartSidecar) -> None:
+    """Many header fields, 400 KB and no blank line: a 502 as soon as the head passes 256 KiB,
+    not a wait for first_byte_timeout_s with the head buffered."""
+    fields = b"".join(b"X-Many-%d: %s\r\n" % (i, b"m" * 1000) for i in range(400))
+    async with scripted(replies(b"HTTP/1.1 200 OK\r\n" + fields, 60.0)) as engine:
+        servers = await start(start_sidecar, engine)
+        async with asyncio.timeout(GUARD_S):
+            resp = await rawhttp.exchange(servers.proxy_port, get("/endless"))
+    assert resp.status == 502 and b"upstream_protocol_error" in resp.body, (
+        f"expected a 502 upstream_protocol_error for a 400 KB head, got {resp.status} "
+        f"{resp.body[:200]!r}")
+
+
 # --- max_connections: a waiter takes the connection that was released ---------------------------
 
 async def test_max_connections_one_uses_one_engine_connection(
