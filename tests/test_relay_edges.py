@@ -742,3 +742,82 @@ async def test_chunked_upload_with_expect_continue_reaches_the_engine_whole(
     assert engine.requests[0].body == body and b"Expect" not in engine.requests[0].head, (
         f"expected the body byte-identical and no Expect field upstream, got "
         f"{len(engine.requests[0].body)} bytes, head {engine.requests[0].head!r}")
+
+
+# --- A response begun while the client's transport is still over its high-water mark ----------
+
+async def test_pipelined_stream_behind_a_response_that_filled_the_buffer_is_bounded(
+        start_sidecar: StartSidecar) -> None:
+    """A client pipelines two requests and reads nothing. The first (Content-Length) response
+    ends in the very read that pushed the client's transport over its high-water mark: the
+    transport stays paused (aiohttp's write_eof does not wait for a length-delimited body), and
+    the second request's relay starts behind it. No new ``pause_writing`` comes: the relay must
+    start paused, or it reads the engine's stream into memory without bound.
+
+    Where the first response ends in such a read depends on the kernel's buffers (about
+    ``tcp_wmem`` + the client's receive buffer): its size is searched, by bisection, for the
+    largest that still completes with the client reading nothing."""
+    cap = 96 << 20
+    written: dict[str, int] = {}
+    stalled: dict[str, asyncio.Event] = {}
+
+    async def script(seen: Seen, conn: Conn) -> bool:
+        name = seen.target.split("?")[0]
+        if name.startswith("/one"):
+            size = int(seen.target.split("=")[1])
+            conn.writer.write(b"HTTP/1.1 200 OK\r\nContent-Length: %d\r\n\r\n" % size
+                              + b"1" * size)
+            await conn.writer.drain()
+            return True
+        event = chunk(b"data: " + b"y" * 65000 + b"\n\n")
+        conn.writer.write(SSE_HEAD)
+        written[name] = 0
+        while written[name] < cap:
+            conn.writer.write(event)
+            try:
+                async with asyncio.timeout(0.5):
+                    await conn.writer.drain()
+            except TimeoutError:
+                break
+            written[name] += len(event)
+        stalled[name].set()
+        await conn.reader.read()  # until the sidecar closes it
+        return False
+
+    async def attempt(k: int, size: int) -> int | None:
+        """Bytes the engine wrote into the second stream before stalling; None if the first
+        response did not complete (too large to fit with the client reading nothing)."""
+        stalled[f"/two{k}"] = asyncio.Event()
+        sock = socket.socket()
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+        sock.setblocking(False)
+        await asyncio.get_running_loop().sock_connect(sock, ("127.0.0.1", servers.proxy_port))
+        _, writer = await asyncio.open_connection(sock=sock)
+        try:
+            writer.write(get(f"/one{k}?size={size}") + get(f"/two{k}"))
+            try:
+                async with asyncio.timeout(0.6):
+                    while f"/two{k}" not in written:  # noqa: ASYNC110 - polled server state
+                        await asyncio.sleep(0.01)
+            except TimeoutError:
+                return None
+            async with asyncio.timeout(GUARD_S * 3):
+                await stalled[f"/two{k}"].wait()
+            return written[f"/two{k}"]
+        finally:
+            writer.transport.abort()
+
+    async with scripted(script) as engine:
+        servers: Servers = await start(start_sidecar, engine,
+                                       downstream={"write_buffer_bytes": 4096})
+        low, high = 256 * 1024, 16 << 20
+        for k in range(12):
+            size = (low + high) // 2
+            got = await attempt(k, size)
+            assert got is None or got < 64 << 20, (
+                f"expected the engine's second stream to stall within 64 MiB while the client "
+                f"reads nothing (first response {size} bytes), got {got} bytes written")
+            if got is None:
+                high = size
+            else:
+                low = size
