@@ -228,6 +228,8 @@ class UpstreamResponse:
         pending, self.pending = self.pending, []
         for piece in pending:
             downstream.write(piece)
+        if downstream.paused:  # the client's transport is over its high-water mark already
+            self.connection.pause_reading()
         if self.complete:
             return
         if self.failure is not None:
