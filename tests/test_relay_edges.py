@@ -68,6 +68,7 @@ class ScriptedEngine:
     open: set[int] = field(default_factory=set)
     requests: list[Seen] = field(default_factory=list)
     aborts: list[bytes] = field(default_factory=list)
+    broken: list[str] = field(default_factory=list)  # requests whose framing did not parse
     received: asyncio.Event = field(default_factory=asyncio.Event)
     port: int = 0
     _server: asyncio.Server | None = None
@@ -118,6 +119,9 @@ class ScriptedEngine:
                 if not await self.script(seen, conn):
                     return
         except ConnectionError:
+            return
+        except ValueError as exc:  # a chunk size that is no number: the framing is lost
+            self.broken.append(f"connection {conn.number}: {exc}")
             return
         finally:
             self.open.discard(conn.number)
@@ -821,3 +825,41 @@ async def test_pipelined_stream_behind_a_response_that_filled_the_buffer_is_boun
                 high = size
             else:
                 low = size
+
+
+# --- A response that ends before its request body was all sent ----------------------------------
+
+async def test_connection_still_uploading_is_not_pooled_for_the_next_request(
+        start_sidecar: StartSidecar) -> None:
+    """The engine answers (keep-alive, Content-Length) before the client finished its chunked
+    body. The upload still owns that connection: a next request put on it would go out in the
+    middle of the first one's body, where the engine reads it as chunk framing."""
+    async def script(seen: Seen, conn: Conn) -> bool:
+        if seen.target == "/early":
+            conn.writer.write(b"HTTP/1.1 200 OK\r\nContent-Length: 5\r\n\r\nearly")
+            await conn.writer.drain()
+        seen.body = await _read_body(conn.reader, seen.head)
+        if seen.target != "/early":
+            conn.writer.write(b"HTTP/1.1 200 OK\r\nContent-Length: 2\r\n\r\nok")
+            await conn.writer.drain()
+        return True
+
+    async with scripted(script, read_bodies=False) as engine:
+        servers = await start(start_sidecar, engine)
+        async with asyncio.timeout(GUARD_S), \
+                rawhttp.connect(servers.proxy_port) as (reader, writer):
+            writer.write(rawhttp.request_bytes("POST", "/early", [
+                ("Transfer-Encoding", "chunked")]) + chunk(b"aaaa"))
+            early = await rawhttp.read_body(reader, await rawhttp.read_head(reader))
+            await asyncio.sleep(0.05)
+            other = await rawhttp.exchange(servers.proxy_port, get("/b"))
+            writer.write(chunk(b"bbbb") + b"0\r\n\r\n")
+            await writer.drain()
+            await asyncio.sleep(0.2)
+    assert (early.status, early.body) == (200, b"early"), (
+        f"expected the early 200 'early', got {early.status} {early.body!r}")
+    assert (other.status, other.body) == (200, b"ok"), (
+        f"expected the next request to get 200 'ok', got {other.status} {other.body!r}")
+    assert engine.broken == [], (
+        f"expected the engine to parse every request, got framing errors {engine.broken} "
+        f"(the next request's head was written into the first one's body)")
