@@ -403,7 +403,13 @@ class UpstreamConnection(asyncio.Protocol):
         connection open, else closed."""
         if self.response is response:
             self.response = None
-            if keep_alive and self.open:
+            uploading = response.uploading
+            if uploading is not None and not uploading.done():
+                # The engine answered before the whole request body went out: the rest would
+                # share the connection with the next request. Never pooled; the upload ends.
+                uploading.cancel()
+                self.close()
+            elif keep_alive and self.open:
                 self.pool.idle(self)
             else:
                 self.close()
