@@ -863,3 +863,43 @@ async def test_connection_still_uploading_is_not_pooled_for_the_next_request(
     assert engine.broken == [], (
         f"expected the engine to parse every request, got framing errors {engine.broken} "
         f"(the next request's head was written into the first one's body)")
+
+
+async def test_bytes_on_an_idle_pooled_connection_retire_it(
+        start_sidecar: StartSidecar) -> None:
+    """The engine writes bytes nobody asked for on a connection gone back to the pool: the
+    framing is lost, so that connection is closed and the next request gets a new one."""
+    async def script(seen: Seen, conn: Conn) -> bool:
+        conn.writer.write(b"HTTP/1.1 200 OK\r\nContent-Length: 3\r\n\r\nabc")
+        await conn.writer.drain()
+        if seen.target == "/first":
+            await asyncio.sleep(0.05)
+            conn.writer.write(b"HTTP/1.1 200 OK\r\nContent-Length: 7\r\n\r\nGARBAGE")
+            await conn.writer.drain()
+        return True
+
+    async with scripted(script) as engine:
+        servers = await start(start_sidecar, engine)
+        async with asyncio.timeout(GUARD_S):
+            first = await rawhttp.exchange(servers.proxy_port, get("/first"))
+            await asyncio.sleep(0.2)
+            second = await rawhttp.exchange(servers.proxy_port, get("/second"))
+    assert [(r.status, r.body) for r in (first, second)] == [(200, b"abc")] * 2, (
+        f"expected 200 'abc' twice, got {[(r.status, r.body) for r in (first, second)]}")
+    assert engine.request_connections == 2, (
+        f"expected the second request on a new connection, got "
+        f"{engine.request_connections} connection(s)")
+
+
+async def test_obs_text_request_header_bytes_reach_the_engine_unchanged(
+        start_sidecar: StartSidecar) -> None:
+    async with scripted(replies(b"HTTP/1.1 200 OK\r\nContent-Length: 2\r\n\r\nok")) as engine:
+        servers = await start(start_sidecar, engine)
+        async with asyncio.timeout(GUARD_S):
+            resp = await rawhttp.exchange(servers.proxy_port, get("/h").replace(
+                b"\r\n\r\n", b"\r\nX-Latin1: caf\xe9\r\nX-Utf8: caf\xc3\xa9\r\n\r\n"))
+    head = engine.requests[0].head
+    assert resp.status == 200 and b"X-Latin1: caf\xe9\r\n" in head \
+        and b"X-Utf8: caf\xc3\xa9\r\n" in head, (
+            f"expected both header values byte-identical at the engine, got {resp.status} "
+            f"and head {head!r}")
