@@ -116,9 +116,12 @@ class UpstreamProtocolError(UpstreamError):
 
 class UpstreamDisconnected(UpstreamProtocolError):
     """The engine closed or reset the connection before complete response headers (after the
-    one re-send a stale pooled connection gets). Its side of the request is gone."""
+    one re-send a stale pooled connection gets). Its side of the request is gone.
+    ``answered``: part of a response head had arrived (the engine had the request): never
+    re-sent."""
 
     engine_may_hold_request = False
+    answered = False
 
 
 class UpstreamTimeoutError(UpstreamError, TimeoutError):

@@ -251,6 +251,10 @@ class Exchange:
             writer.send_headers()
         flow = cast(FlowHook, request.protocol)
         flow.flow = downstream
+        # Still over the high-water mark from the previous response on this connection (a
+        # length-delimited one ends without waiting for the client): no pause_writing will
+        # come, so the relay starts paused.
+        downstream.paused = flow.writing_paused
         try:
             await upstream.relay(downstream, settings.read_timeout_s)
         except (UpstreamError, DownstreamError) as exc:
@@ -629,6 +633,9 @@ class FlowHook(Protocol):
     only through it (:class:`sidecar.downstream.DownstreamRunner`)."""
 
     flow: Downstream | None
+
+    @property
+    def writing_paused(self) -> bool: ...  # aiohttp's BaseProtocol: over the high-water mark
 
 
 class LossHook(Protocol):

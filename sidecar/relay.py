@@ -57,6 +57,8 @@ from sidecar.tasks import TaskSet
 MAX_HEADER_BYTES = 65536  # one header field (request or response; aiohttp's default: 8190)
 MAX_HEAD_BYTES = 4 * MAX_HEADER_BYTES
 SSE_DONE = b"data: [DONE]\n\n"
+# Interim statuses llhttp ends without a body (100 Continue, 102 Processing, 103 Early Hints)
+_INTERIM = frozenset({100, 102, 103})
 _CLOCK_RESOLUTION_S = 0.001  # uvloop's clock and timers count milliseconds
 
 
@@ -86,7 +88,8 @@ class Downstream:
     """The client's side of the byte path: frames each body piece as the client's response
     needs (chunked, or raw for a length- or close-delimited one), writes it to the client's
     transport and keeps what the proxy asks about afterwards: ``bytes_sent``, the last piece
-    (``tail``) and whether the stream ended with the OpenAI end event (``saw_done_event``).
+    (``tail``; at least its last ``len(SSE_DONE)`` bytes) and whether the stream ended with the
+    OpenAI end event (``saw_done_event``).
 
     ``paused``: the client's transport is over its high-water mark (``pause_writing``): the
     engine's socket is not read, and that time does not count toward ``read_timeout_s``.
@@ -121,9 +124,11 @@ class Downstream:
         body that came with it)."""
         # The OpenAI end-of-stream event means the engine is done: a client that closes on
         # reading it (before the upstream's final chunk) is not a disconnect.
-        self.saw_done_event = (piece if len(piece) >= len(SSE_DONE)
-                               else self.tail + piece).endswith(SSE_DONE)
-        self.tail = piece
+        # ``tail``: the last piece, or, after a short one, the last len(SSE_DONE) bytes relayed
+        # (the end event may come in any number of pieces: one per chunk of the engine's).
+        tail = piece if len(piece) >= len(SSE_DONE) else (self.tail + piece)[-len(SSE_DONE):]
+        self.saw_done_event = tail.endswith(SSE_DONE)
+        self.tail = tail
         self.bytes_sent += len(piece)
 
     def pause_writing(self) -> None:
@@ -151,6 +156,12 @@ class UpstreamResponse:
         loop = connection.loop
         self.connection = connection
         self.parser = httptools.HttpResponseParser(self)
+        # What aiohttp's client allowed engines (aiohttp/_http_parser.pyx, HttpResponseParser):
+        # header bytes llhttp calls invalid (control characters are refused by the proxy:
+        # has_forbidden_characters), a bare LF ending a line, whitespace after a chunk size.
+        self.parser.set_dangerous_leniencies(lenient_headers=True,
+                                             lenient_optional_cr_before_lf=True,
+                                             lenient_spaces_after_chunk_size=True)
         self.head: asyncio.Future[None] = loop.create_future()
         self.done: asyncio.Future[None] | None = None  # while relaying
         self.head_only = head_only
@@ -161,6 +172,7 @@ class UpstreamResponse:
         self.uploading: asyncio.Task[None] | None = None  # the rest of the request body
         self.head_bytes = 0
         self.complete = False  # the whole response was read
+        self.interim = False  # parsing a 1xx (skipped)
         self.failure: BaseException | None = None
         self.pending: list[bytes] = []  # body pieces before relay()
         self.downstream: Downstream | None = None
@@ -183,7 +195,15 @@ class UpstreamResponse:
 
     def on_headers_complete(self) -> None:
         self.status = self.parser.get_status_code()
-        if self.status < 200:  # an interim answer to a request that asked for none
+        if self.status in _INTERIM:
+            # RFC 9110 section 15.2: a client must parse 1xx answers it did not expect (as
+            # aiohttp's client did: skipped). llhttp ends them with no body; the final
+            # response follows.
+            self.interim = True
+            self._fields.clear()
+            self.reason = ""
+            return
+        if self.status < 200:  # 101 or an unknown 1xx: its framing is not HTTP/1.1's
             raise UpstreamProtocolError(f"an unexpected interim response {self.status}")
         self.headers = CIMultiDictProxy(CIMultiDict(self._fields))
         self.head.set_result(None)
@@ -197,6 +217,9 @@ class UpstreamResponse:
             self.downstream.write(piece)
 
     def on_message_complete(self) -> None:
+        if self.interim:  # the end of a 1xx: the final response is still to come
+            self.interim = False
+            return
         self.complete = True
         self.connection.finished(self, self.parser.should_keep_alive())
         if self.done is not None and not self.done.done():
@@ -219,6 +242,8 @@ class UpstreamResponse:
         pending, self.pending = self.pending, []
         for piece in pending:
             downstream.write(piece)
+        if downstream.paused:  # the client's transport is over its high-water mark already
+            self.connection.pause_reading()
         if self.complete:
             return
         if self.failure is not None:
@@ -304,12 +329,9 @@ class UpstreamConnection(asyncio.Protocol):
             self.close()
             return
         response.reading_since = self.loop.time()
-        if not response.head.done():
+        head_pending = not response.head.done()
+        if head_pending:
             response.head_bytes += len(data)
-            if response.head_bytes > MAX_HEAD_BYTES:
-                self._failed(response, UpstreamProtocolError(
-                    f"{self.origin} sent a response head over {MAX_HEAD_BYTES} bytes"))
-                return
         try:
             response.parser.feed_data(data)
         except httptools.HttpParserCallbackError as exc:
@@ -326,6 +348,12 @@ class UpstreamConnection(asyncio.Protocol):
             self._failed(response, UpstreamProtocolError(
                 f"{self.origin} sent bytes that are not an HTTP/1.x response: "
                 f"{type(exc).__name__}"))
+        else:
+            # Checked once the read is parsed: body bytes read with the end of the head are no
+            # part of it (one read holds up to 256000 bytes).
+            if head_pending and not response.head.done() and response.head_bytes > MAX_HEAD_BYTES:
+                self._failed(response, UpstreamProtocolError(
+                    f"{self.origin} sent a response head over {MAX_HEAD_BYTES} bytes"))
 
     def connection_lost(self, exc: Exception | None) -> None:
         self.transport = None
@@ -336,12 +364,15 @@ class UpstreamConnection(asyncio.Protocol):
         response = self.response
         if response is None or response.complete:
             return
-        if response.head.done() and _close_delimited(response):
-            response.on_message_complete()  # its end is the close (HTTP/1.0 style)
-            return
-        where = "mid-response" if response.head.done() else "before responding"
-        response.fail(UpstreamDisconnected(
-            f"{self.origin} closed the connection {where}" + (f": {exc}" if exc else "")))
+        if response.head.done() and exc is None and _close_delimited(response):
+            response.on_message_complete()  # its end is the close (HTTP/1.0 style): a FIN;
+            return  # a reset (exc) cuts it short
+        where = ("mid-response" if response.head.done()
+                 else "mid-head" if response.head_bytes else "before responding")
+        error = UpstreamDisconnected(
+            f"{self.origin} closed the connection {where}" + (f": {exc}" if exc else ""))
+        error.answered = response.head_bytes > 0
+        response.fail(error)
 
     def pause_writing(self) -> None:
         self._drained = self.loop.create_future()
@@ -387,7 +418,13 @@ class UpstreamConnection(asyncio.Protocol):
         connection open, else closed."""
         if self.response is response:
             self.response = None
-            if keep_alive and self.open:
+            uploading = response.uploading
+            if uploading is not None and not uploading.done():
+                # The engine answered before the whole request body went out: the rest would
+                # share the connection with the next request. Never pooled; the upload ends.
+                uploading.cancel()
+                self.close()
+            elif keep_alive and self.open:
                 self.pool.idle(self)
             else:
                 self.close()
@@ -446,19 +483,23 @@ class UpstreamPool:
     async def connection(self, origin: Origin, fresh: bool = False) -> UpstreamConnection:
         """An idle connection to ``origin`` (unless ``fresh``) or a new one. Raises
         :class:`UpstreamConnectError` or :class:`UpstreamConnectTimeout`."""
-        idle = None if fresh else self._idle.get(origin.host_field)
-        while idle:
-            connection = idle.pop()
-            connection.idle = False
-            if connection.keepalive is not None:
-                connection.keepalive.cancel()
-                connection.keepalive = None
-            if connection.open:
-                connection.in_use = True
-                self._in_use += 1
-                return connection
         limit = self.settings.max_connections
-        while limit and self._in_use >= limit:
+        while True:
+            # Looked at again after each wait: the slot released may be a connection gone
+            # back idle, to be reused rather than joined by a new one.
+            idle = None if fresh else self._idle.get(origin.host_field)
+            while idle:
+                connection = idle.pop()
+                connection.idle = False
+                if connection.keepalive is not None:
+                    connection.keepalive.cancel()
+                    connection.keepalive = None
+                if connection.open:
+                    connection.in_use = True
+                    self._in_use += 1
+                    return connection
+            if not limit or self._in_use < limit:
+                break
             waiter = asyncio.get_running_loop().create_future()
             self._waiters.append(waiter)
             try:

@@ -212,7 +212,7 @@ async def open_upstream(
         except DownstreamError:
             raise
         except UpstreamDisconnected as exc:
-            if not fresh and body.resendable and wanted():
+            if not fresh and not exc.answered and body.resendable and wanted():
                 log.info("request %s: upstream connection dropped before the response (%s); "
                          "sending again on a fresh connection", request_id, exc)
                 fresh = True
