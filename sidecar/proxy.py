@@ -246,7 +246,9 @@ class Exchange:
             await response.write_eof(first)
             return response
         if first:
-            await response.write(first)
+            # No drain here: while the handler waited, the engine's bytes would pile up unread
+            # by the relay; the relay pauses reading instead if the client is behind.
+            await writer.write(first, drain=False)
         else:
             writer.send_headers()
         flow = cast(FlowHook, request.protocol)
