@@ -385,9 +385,10 @@ class Exchange:
 
         Reading is paused: a chunk the engine still sends would only wake the handler to find
         the client gone and tear it down out of its turn (a piece already read is dropped:
-        :attr:`sidecar.relay.Downstream.gone`). The connection's write side is shut down (the
-        engine reads EOF) in a callback queued behind the abort flush, so the abort call is on
-        the wire first and the engine sees the close at once, as it would a reverse proxy's.
+        :attr:`sidecar.relay.Downstream.gone`). The connection is shut down both ways (the
+        engine reads EOF: :meth:`sidecar.relay.UpstreamConnection.end`) in a callback queued
+        behind the abort flush, so the abort call is on the wire first and the engine sees the
+        close at once, as it would a reverse proxy's.
         The connection is never pooled again (the teardown closes it: :meth:`close`)."""
         if self.downstream is not None:
             self.downstream.gone = True

@@ -33,6 +33,7 @@ header field over ``MAX_HEADER_BYTES``), :class:`UpstreamReadTimeout` (no body b
 from __future__ import annotations
 
 import asyncio
+import socket
 import ssl
 from collections import deque
 from collections.abc import Iterable
@@ -435,13 +436,26 @@ class UpstreamConnection(asyncio.Protocol):
             transport.close()
 
     def end(self) -> None:
-        """End the sidecar's side (a FIN: the engine reads EOF), once what was written is out;
-        the connection is never used again. (Not on TLS, which cannot half-close: the
-        connection is closed later.)"""
+        """End the connection on the engine's side now: ``shutdown(SHUT_RDWR)`` (the engine
+        reads EOF at once; what it still sends is dropped); the transport stays for the
+        handler's teardown to close, and the connection is never used again.
+
+        On the transport's own descriptor, wrapped without a duplicate and detached again
+        (uvloop's transport sockets refuse ``shutdown()``; ``transport.write_eof()`` would wait
+        for a loop iteration of libuv's). The descriptor is the connection's as long as the
+        transport is not closing: uvloop closes it only after that."""
         transport = self.transport
         self._ended = True
-        if transport is not None and not transport.is_closing() and transport.can_write_eof():
-            transport.write_eof()
+        if transport is None or transport.is_closing():
+            return
+        sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM, 0,
+                             transport.get_extra_info("socket").fileno())
+        try:
+            sock.shutdown(socket.SHUT_RDWR)
+        except OSError:
+            pass  # reset by the engine meanwhile: nothing left to end
+        finally:
+            sock.detach()
 
     @property
     def open(self) -> bool:
