@@ -85,6 +85,11 @@ def origin(base_url: str) -> Origin:
     return Origin(base_url)
 
 
+def chunk_frame(piece: bytes) -> bytes:
+    """``piece`` as one HTTP/1.1 chunk (RFC 9112 section 7.1): size in hex, CRLF, data, CRLF."""
+    return b"%x\r\n%b\r\n" % (len(piece), piece)
+
+
 class Downstream:
     """The client's side of the byte path: frames each body piece as the client's response
     needs (chunked, or raw for a length- or close-delimited one), writes it to the client's
@@ -118,7 +123,7 @@ class Downstream:
                 return
             raise ConnectionResetError("the client's connection is closing")
         self.account(piece)
-        transport.write(b"%x\r\n%b\r\n" % (len(piece), piece) if self.chunked else piece)
+        transport.write(chunk_frame(piece) if self.chunked else piece)
 
     def account(self, piece: bytes) -> None:
         """Count ``piece`` as relayed (:meth:`write`, or aiohttp's write of the head with the
@@ -240,9 +245,8 @@ class UpstreamResponse:
         :meth:`close`."""
         self.downstream = downstream
         downstream.upstream = self
-        pending, self.pending = self.pending, []
-        for piece in pending:
-            downstream.write(piece)
+        if pending := self.take_pending():
+            downstream.write(pending)
         if downstream.paused:  # the client's transport is over its high-water mark already
             self.connection.pause_reading()
         if self.complete:

@@ -43,6 +43,7 @@ from sidecar.relay import (
     UpstreamConnection,
     UpstreamPool,
     UpstreamResponse,
+    chunk_frame,
     origin,
     request_head,
 )
@@ -75,10 +76,16 @@ async def read_body_chunk(content: aiohttp.StreamReader, limits: DownstreamSetti
         except TimeoutError as exc:
             raise RequestBodyTimeout(
                 f"no request body bytes for {timeout_s:g}s after {received} bytes") from exc
-    if limits.max_body_bytes and received + len(chunk) > limits.max_body_bytes:
+    check_body_size(limits, received + len(chunk))
+    return chunk
+
+
+def check_body_size(limits: DownstreamSettings, size: int) -> None:
+    """Raises :class:`RequestBodyTooLarge` if a body of ``size`` bytes so far is over
+    ``limits.max_body_bytes`` (0: no limit)."""
+    if limits.max_body_bytes and size > limits.max_body_bytes:
         raise RequestBodyTooLarge(
             f"request body over the limit of {limits.max_body_bytes} bytes")
-    return chunk
 
 
 class RequestBody:
@@ -86,8 +93,7 @@ class RequestBody:
 
     The copy (at most ``keep_limit`` bytes) serves the re-send after a stale connection and the
     engine adapter's id derivation. ``complete`` turns true once the last byte went upstream.
-    ``limits`` bounds reading the client (:func:`read_body_chunk`); a broken limit is kept as
-    ``failure`` and raised into aiohttp's body writer, which stops the upload.
+    ``limits`` bounds reading the client (:func:`read_body_chunk`, :func:`check_body_size`).
     """
 
     def __init__(self, content: aiohttp.StreamReader | None, keep_limit: int,
@@ -102,7 +108,6 @@ class RequestBody:
         # time.monotonic() when the last byte was handed upstream (None: complete from the
         # start, e.g. in memory; it goes out when the upstream request is sent)
         self.sent_at: float | None = None
-        self.failure: DownstreamError | None = None
 
     @classmethod
     def of(cls, body: bytes) -> RequestBody:
@@ -139,6 +144,7 @@ class RequestBody:
             return parts, True
         chunk = content.read_nowait(-1)
         if chunk:
+            check_body_size(self._limits, self._received + len(chunk))
             self._take(chunk)
             parts.append(chunk)
         return parts, content.at_eof()
@@ -153,11 +159,7 @@ class RequestBody:
         """The rest of the body, as the client sends it (after :meth:`to_send`)."""
         assert self._content is not None
         while True:
-            try:
-                chunk = await read_body_chunk(self._content, self._limits, self._received)
-            except DownstreamError as exc:
-                self.failure = exc
-                raise
+            chunk = await read_body_chunk(self._content, self._limits, self._received)
             if not chunk:
                 break
             self._take(chunk)
@@ -165,10 +167,7 @@ class RequestBody:
         self.sent()
 
     def _take(self, chunk: bytes) -> None:
-        limit = self._limits.max_body_bytes
-        if limit and self._received + len(chunk) > limit:
-            self.failure = RequestBodyTooLarge(f"request body over the limit of {limit} bytes")
-            raise self.failure
+        """Count ``chunk`` as read, and keep it while the copy stays within its limit."""
         self._received += len(chunk)
         if self._kept is not None:
             self._kept_bytes += len(chunk)
@@ -244,7 +243,7 @@ async def _attempt(pool: UpstreamPool, engine: Origin, method: str, target: str,
         framing = f"Content-Length: {sum(map(len, parts))}"
     chunked = framing is not None and framing.startswith("Transfer")
     head = request_head(method, target, engine, headers, framing)
-    response = connection.send(head, [_chunk(p) for p in parts] if chunked else parts,
+    response = connection.send(head, [chunk_frame(p) for p in parts] if chunked else parts,
                                head_only=method == "HEAD")
     if whole:
         body.sent()
@@ -267,7 +266,7 @@ async def _upload(connection: UpstreamConnection, response: UpstreamResponse,
     fails with the loss)."""
     try:
         async for piece in body.rest():
-            await connection.write_body(_chunk(piece) if chunked else piece)
+            await connection.write_body(chunk_frame(piece) if chunked else piece)
         if chunked:
             await connection.write_body(b"0\r\n\r\n")
     except DownstreamError as exc:
@@ -275,10 +274,6 @@ async def _upload(connection: UpstreamConnection, response: UpstreamResponse,
         connection.close()
     except ConnectionResetError:
         pass
-
-
-def _chunk(piece: bytes) -> bytes:
-    return b"%x\r\n%b\r\n" % (len(piece), piece)
 
 
 def origin_form(raw_target: str, rel_path_qs: str) -> str | None:
