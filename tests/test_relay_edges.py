@@ -24,6 +24,7 @@ from sidecar.server import Servers
 from tests import rawhttp
 from tests.conftest import sidecar_settings
 from tests.fake_engine import ABORT_PATH
+from tests.upstreams import read_request_body
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -107,7 +108,7 @@ class ScriptedEngine:
                 except (asyncio.IncompleteReadError, ConnectionError):
                     return
                 method, target = head.split(b" ", 2)[:2]
-                body = await _read_body(reader, head) if self.read_bodies else b""
+                body = await read_request_body(reader, head) if self.read_bodies else b""
                 seen = Seen(method.decode(), target.decode(), head, body, conn.number)
                 if seen.target == ABORT_PATH:
                     self.aborts.append(body)
@@ -131,18 +132,6 @@ class ScriptedEngine:
                 await writer.wait_closed()
 
 
-async def _read_body(reader: asyncio.StreamReader, head: bytes) -> bytes:
-    fields = {k.strip().lower(): v.strip() for k, _, v in
-              (line.partition(b":") for line in head.split(b"\r\n")[1:] if line)}
-    if fields.get(b"transfer-encoding", b"").lower() == b"chunked":
-        body = b""
-        while size := int((await reader.readuntil(b"\r\n")).split(b";")[0], 16):
-            body += (await reader.readexactly(size + 2))[:-2]
-        await reader.readuntil(b"\r\n")
-        return body
-    return await reader.readexactly(int(fields.get(b"content-length", b"0")))
-
-
 @contextlib.asynccontextmanager
 async def scripted(script: Script, **options: Any) -> AsyncIterator[ScriptedEngine]:
     engine = ScriptedEngine(script, **options)
@@ -164,6 +153,17 @@ def replies(*parts: bytes | float, keep: bool = True) -> Script:
                 conn.writer.write(part)
                 await conn.writer.drain()
         return keep
+    return script
+
+
+def in_turn(*answers: bytes) -> Script:
+    """A script answering each request with the next of ``answers``, keeping the connection."""
+    left = iter(answers)
+
+    async def script(seen: Seen, conn: Conn) -> bool:
+        conn.writer.write(next(left))
+        await conn.writer.drain()
+        return True
     return script
 
 
@@ -415,14 +415,8 @@ async def test_close_delimited_body_ended_by_reset_is_not_made_clean(
 ])
 async def test_bodiless_responses_keep_the_connection_pooled(
         method: str, response: bytes, start_sidecar: StartSidecar) -> None:
-    answers = iter([response, b"HTTP/1.1 200 OK\r\nContent-Length: 4\r\n\r\nnext"])
-
-    async def script(seen: Seen, conn: Conn) -> bool:
-        conn.writer.write(next(answers))
-        await conn.writer.drain()
-        return True
-
-    async with scripted(script) as engine:
+    async with scripted(in_turn(response, b"HTTP/1.1 200 OK\r\nContent-Length: 4\r\n\r\nnext")
+                        ) as engine:
         servers = await start(start_sidecar, engine)
         async with asyncio.timeout(GUARD_S), \
                 rawhttp.connect(servers.proxy_port) as (reader, writer):
@@ -494,16 +488,10 @@ async def test_bytes_past_content_length_are_not_relayed_nor_reused(
         start_sidecar: StartSidecar) -> None:
     """The engine sends more than its Content-Length: the client gets exactly the length,
     and the extra bytes never become the next request's response."""
-    answers = iter([b"HTTP/1.1 200 OK\r\nContent-Length: 3\r\n\r\nabcGARBAGE",
-                    b"HTTP/1.1 200 OK\r\nContent-Length: 3\r\n\r\nxyz",
-                    b"HTTP/1.1 200 OK\r\nContent-Length: 3\r\n\r\nxyz"])
-
-    async def script(seen: Seen, conn: Conn) -> bool:
-        conn.writer.write(next(answers))
-        await conn.writer.drain()
-        return True
-
-    async with scripted(script) as engine:
+    async with scripted(in_turn(b"HTTP/1.1 200 OK\r\nContent-Length: 3\r\n\r\nabcGARBAGE",
+                                b"HTTP/1.1 200 OK\r\nContent-Length: 3\r\n\r\nxyz",
+                                b"HTTP/1.1 200 OK\r\nContent-Length: 3\r\n\r\nxyz")
+                        ) as engine:
         servers = await start(start_sidecar, engine)
         async with asyncio.timeout(GUARD_S):
             first = await rawhttp.exchange(servers.proxy_port, get("/1"))
@@ -838,7 +826,7 @@ async def test_connection_still_uploading_is_not_pooled_for_the_next_request(
         if seen.target == "/early":
             conn.writer.write(b"HTTP/1.1 200 OK\r\nContent-Length: 5\r\n\r\nearly")
             await conn.writer.drain()
-        seen.body = await _read_body(conn.reader, seen.head)
+        seen.body = await read_request_body(conn.reader, seen.head)
         if seen.target != "/early":
             conn.writer.write(b"HTTP/1.1 200 OK\r\nContent-Length: 2\r\n\r\nok")
             await conn.writer.drain()

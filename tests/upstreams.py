@@ -89,7 +89,7 @@ class RawUpstream:
                     self.dropped += 1
                     self.dropped_event.set()
                     return
-                request = RawRequest(head, await _read_body(reader, head), conn)
+                request = RawRequest(head, await read_request_body(reader, head), conn)
                 self.requests.append(request)
                 self.received.set()
                 response = self.respond(request)
@@ -112,7 +112,8 @@ class RawUpstream:
                 await writer.wait_closed()
 
 
-async def _read_body(reader: asyncio.StreamReader, head: bytes) -> bytes:
+async def read_request_body(reader: asyncio.StreamReader, head: bytes) -> bytes:
+    """The body a request ``head`` announces (chunked or ``Content-Length``), read whole."""
     fields = {
         k.strip().lower(): v.strip()
         for k, _, v in (line.partition(b":") for line in head.split(b"\r\n")[1:] if line)
