@@ -116,7 +116,7 @@ class MetricsSampler:
                                                         timeout=self.timeout)
             try:
                 sample = self._read(self._conn)
-            except (OSError, http.client.HTTPException):
+            except (OSError, http.client.HTTPException, ValueError):  # ValueError: unparsed
                 self.errors += 1
                 self._conn.close()
                 self._conn = None
@@ -138,17 +138,36 @@ class MetricsSampler:
             return self.samples[-1] if self.samples else None
 
     async def wait_for(self, predicate: Any, guard_s: float, what: str) -> Sample:
-        """Await a sample (taken from now on) for which ``predicate(sample)`` is true.
+        """Await a sample (taken from now on) for which ``predicate(sample)`` is true; every
+        sample taken since the call counts, not only the latest one.
 
-        Raises ``AssertionError`` naming ``what`` and the last sample after ``guard_s``."""
+        Raises ``AssertionError`` naming ``what`` and what the sampler saw after ``guard_s``
+        (the samples taken, their longest gap, the highest values, whether the thread lives)."""
         start = time.monotonic()
-        while time.monotonic() - start < guard_s:
-            s = self.latest()
-            if s is not None and s.t >= start and predicate(s):
-                return s
+        seen = 0  # samples already checked
+        while True:
+            samples = self.snapshot()
+            for s in samples[seen:]:
+                if s.t >= start and predicate(s):
+                    return s
+            seen = len(samples)
+            if time.monotonic() - start >= guard_s:
+                break
             await asyncio.sleep(self.interval)
+        since = [s for s in self.snapshot() if s.t >= start]
+        gaps = [b.t - a.t for a, b in itertools.pairwise(since)]
+        rose = next((s.t - start for s in since[1:]
+                     if s.generation_tokens != since[0].generation_tokens), None)
         raise AssertionError(
-            f"expected {what} within {guard_s}s; last /metrics sample: {self.latest()}")
+            f"expected {what} within {guard_s}s; {len(since)} /metrics samples since, longest "
+            f"gap {max(gaps, default=0.0):.2f}s, highest running "
+            f"{max((s.running for s in since), default=None)}, generation_tokens "
+            f"{since[0].generation_tokens if since else None} -> "
+            f"{since[-1].generation_tokens if since else None} in "
+            f"{len({s.generation_tokens for s in since})} distinct values (first rise at "
+            f"+{rose}s), highest waiting "
+            f"{max((s.waiting for s in since), default=None)}, sampler errors {self.errors}, "
+            f"sampler thread alive {self._thread.is_alive()}; last sample: {self.latest()}")
 
     def stop_report(self, t0: float, until: float | None = None) -> StopReport:
         """Summarise the samples around a disconnect at ``t0`` (see :class:`StopReport`)."""
