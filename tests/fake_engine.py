@@ -34,6 +34,7 @@ import gzip
 import hashlib
 import json
 import socket
+import ssl
 import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
@@ -129,14 +130,17 @@ class FakeEngine:
         self._add_slow_client_routes()
         self.runner: web.AppRunner | None = None
         self.port = 0
+        self.scheme = "http"
 
-    async def start(self, port: int = 0) -> None:
+    async def start(self, port: int = 0, tls: ssl.SSLContext | None = None) -> None:
         """Listen on 127.0.0.1:``port`` (0: a free port), e.g. a port a sidecar already
-        points at, for an engine that comes up after the sidecar."""
+        points at, for an engine that comes up after the sidecar; over TLS with ``tls`` (a
+        server context: :attr:`url` is then ``https://``)."""
         self.runner = web.AppRunner(self.app, handler_cancellation=True, access_log=None)
         await self.runner.setup()
-        await web.TCPSite(self.runner, "127.0.0.1", port).start()
+        await web.TCPSite(self.runner, "127.0.0.1", port, ssl_context=tls).start()
         self.port = self.runner.addresses[0][1]
+        self.scheme = "https" if tls is not None else "http"
 
     async def stop(self) -> None:
         if self.runner is not None:
@@ -144,7 +148,7 @@ class FakeEngine:
 
     @property
     def url(self) -> str:
-        return f"http://127.0.0.1:{self.port}"
+        return f"{self.scheme}://127.0.0.1:{self.port}"
 
     async def health(self, request: web.Request) -> web.Response:
         return web.Response(text="ok")
