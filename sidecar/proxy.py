@@ -150,6 +150,7 @@ class Exchange:
         self.phase: str | None = None
         self.response: web.StreamResponse | None = None  # once the relayed head is built
         self.downstream: Downstream | None = None  # the relayed body's byte path
+        self.loss_hook: LossHook | None = None  # the downstream protocol, if it has the hook
         self.task = asyncio.current_task()  # the handler's, cancelled by the cancel API
         self.ending: Ending | None = None  # set when the sidecar asks to end the request
         self.sent_at: float | None = None  # time.monotonic() when the upstream request started
@@ -380,15 +381,16 @@ class Exchange:
         self.upstream_finished = True
 
     def _stop_reading_upstream(self) -> None:
-        """Stop reading the engine's response and end the connection on the engine's side now;
+        """Stop reading the engine's response and end the connection on the engine's side soon;
         the handler's teardown, paced (:class:`sidecar.downstream.TeardownPacer`), closes it.
 
         Reading is paused: a chunk the engine still sends would only wake the handler to find
         the client gone and tear it down out of its turn (a piece already read is dropped:
         :attr:`sidecar.relay.Downstream.gone`). The connection is shut down both ways (the
-        engine reads EOF: :meth:`sidecar.relay.UpstreamConnection.end`) in a callback queued
-        behind the abort flush, so the abort call is on the wire first and the engine sees the
-        close at once, as it would a reverse proxy's.
+        engine reads EOF: :meth:`sidecar.relay.UpstreamConnection.end`) as a follow-up of the
+        lost connection: after the abort flush, in the next loop turn, unless clients are still
+        leaving (a storm): then a few per turn, so the aborts of the disconnects still arriving
+        go first (:meth:`sidecar.downstream.TeardownPacer.follow_up`).
         The connection is never pooled again (the teardown closes it: :meth:`close`)."""
         if self.downstream is not None:
             self.downstream.gone = True
@@ -397,7 +399,10 @@ class Exchange:
         if connection is None or transport is None or transport.is_closing():
             return  # the engine's side is closed already (its connection_lost is queued)
         connection.pause_reading()
-        asyncio.get_running_loop().call_soon(connection.end)
+        if self.loss_hook is not None:
+            self.loss_hook.follow_up(connection.end)
+        else:
+            asyncio.get_running_loop().call_soon(connection.end)
 
     def _stop(self, reason: str, *, disconnect: bool) -> None:
         if self.noticed_at is None:
@@ -645,9 +650,12 @@ class LossHook(Protocol):
     """A downstream protocol that calls ``on_lost`` (once, then forgets it) when its connection
     is lost, before aiohttp cancels the handler: :class:`sidecar.downstream.DownstreamHandler`.
     ``on_lost`` returns True if it queued an abort: the handler's cancellation may then wait
-    its turn (:class:`sidecar.downstream.TeardownPacer`)."""
+    its turn, and so may what ``follow_up`` is given
+    (:class:`sidecar.downstream.TeardownPacer`)."""
 
     on_lost: Callable[[], bool] | None
+
+    def follow_up(self, callback: Callable[[], None]) -> None: ...
 
 
 def _refuse(request: web.Request, status: int, message: str, error_type: str) -> web.Response:
@@ -716,6 +724,7 @@ async def handle(request: web.Request, runtime: Runtime) -> web.StreamResponse:
     hook = cast(LossHook, protocol) if hasattr(protocol, "on_lost") else None
     if hook is not None:
         hook.on_lost = exchange.client_gone
+        exchange.loss_hook = hook
     in_flight = metrics.in_flight.labels(target.prefix)
     in_flight.inc()
     status_class = "disconnected"  # or "cancelled": the sidecar ended it (shutdown, cancel API,
