@@ -138,15 +138,16 @@ class Downstream:
         self.bytes_sent += len(piece)
 
     def pause_writing(self) -> None:
-        """From the client's protocol: its transport is over the high-water mark."""
+        """From the client's protocol: its transport is over the high-water mark. A response
+        read to its end leaves its connection alone (pooled, or another request's by now)."""
         self.paused = True
-        if self.upstream is not None:
+        if self.upstream is not None and not self.upstream.complete:
             self.upstream.connection.pause_reading()
 
     def resume_writing(self) -> None:
         """From the client's protocol: its transport drained below the low-water mark."""
         self.paused = False
-        if self.upstream is not None:
+        if self.upstream is not None and not self.upstream.complete:
             self.upstream.resumed()
 
 
@@ -247,10 +248,10 @@ class UpstreamResponse:
         downstream.upstream = self
         if pending := self.take_pending():
             downstream.write(pending)
+        if self.complete:  # its connection is pooled or closed already: not to be paused
+            return
         if downstream.paused:  # the client's transport is over its high-water mark already
             self.connection.pause_reading()
-        if self.complete:
-            return
         if self.failure is not None:
             raise self.failure
         loop = self.connection.loop
@@ -429,7 +430,11 @@ class UpstreamConnection(asyncio.Protocol):
                 # share the connection with the next request. Never pooled; the upload ends.
                 uploading.cancel()
                 self.close()
-            elif keep_alive and self.open:
+            elif keep_alive and self.reusable:
+                # Reading may be paused for this response's slow client (its last write
+                # crossed the high-water mark): the connection is done with that client, and
+                # an idle one is read, to notice the engine closing it.
+                self.resume_reading()
                 self.pool.idle(self)
             else:
                 self.close()
@@ -460,6 +465,13 @@ class UpstreamConnection(asyncio.Protocol):
             pass  # reset by the engine meanwhile: nothing left to end
         finally:
             sock.detach()
+
+    @property
+    def reusable(self) -> bool:
+        """True if a finished response leaves the connection fit for the next request:
+        connected, not closing, and never ended (:meth:`end`: the client left)."""
+        transport = self.transport
+        return transport is not None and not transport.is_closing() and not self._ended
 
     @property
     def open(self) -> bool:

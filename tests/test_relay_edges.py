@@ -853,6 +853,52 @@ async def test_connection_still_uploading_is_not_pooled_for_the_next_request(
         f"(the next request's head was written into the first one's body)")
 
 
+@pytest.mark.parametrize("framing", ["content-length", "chunked"])
+async def test_response_ending_while_the_client_is_behind_keeps_its_connection_pooled(
+        framing: str, start_sidecar: StartSidecar) -> None:
+    """A client that reads slowly keeps the relay pausing the engine's socket (its transport
+    over ``write_buffer_bytes``). When the write of the response's last bytes is what pauses
+    it, the response still ends whole and the engine connection goes back to the pool: the
+    pause was for that client, and an idle pooled connection is read (to notice the engine
+    closing it)."""
+    # Past what the kernel's send buffer takes (tcp_wmem: 4 MiB); not a multiple of the 256 KiB
+    # that uvloop reads at once, so the last read (with the response's end) is a large one.
+    body = bytes(range(250)) * ((16 * 1024 * 1024 + 100_000) // 250)
+    size = len(body)
+    if framing == "chunked":
+        first = (b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n"
+                 + b"".join(chunk(body[i:i + 65536]) for i in range(0, size, 65536))
+                 + b"0\r\n\r\n")
+    else:
+        first = b"HTTP/1.1 200 OK\r\nContent-Length: %d\r\n\r\n" % size + body
+    async with scripted(in_turn(first, b"HTTP/1.1 200 OK\r\nContent-Length: 4\r\n\r\nnext")
+                        ) as engine:
+        servers = await start(start_sidecar, engine, downstream={"write_buffer_bytes": 4096})
+        async with asyncio.timeout(GUARD_S * 4), \
+                rawhttp.connect(servers.proxy_port) as (reader, writer):
+            # A small window (32 KiB: ~8 MiB/s) so the sidecar's buffers fill.
+            writer.get_extra_info("socket").setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF,
+                                                       32768)
+            writer.write(get("/big"))
+            head = await rawhttp.read_head(reader)
+            raw = b""
+            while not (raw.endswith(b"0\r\n\r\n") if head.chunked else len(raw) >= size):
+                await asyncio.sleep(0.001)  # slowly: the relay pauses and resumes all along
+                raw += await reader.read(16384)
+            framed = asyncio.StreamReader()
+            framed.feed_data(raw)
+            framed.feed_eof()
+            got = (await rawhttp.read_body(framed, head)).body
+            writer.write(get("/second"))
+            second = await rawhttp.read_body(reader, await rawhttp.read_head(reader))
+    assert got == body, f"expected the {size}-byte body whole, got {len(got)} bytes"
+    assert (second.status, second.body) == (200, b"next"), (
+        f"expected 200 'next' for the second request, got {second.status} {second.body!r}")
+    assert engine.request_connections == 1, (
+        f"expected the engine connection pooled after a response that ended while the client "
+        f"was behind, got {engine.request_connections} engine connections for 2 requests")
+
+
 async def test_bytes_on_an_idle_pooled_connection_retire_it(
         start_sidecar: StartSidecar) -> None:
     """The engine writes bytes nobody asked for on a connection gone back to the pool: the
