@@ -398,7 +398,7 @@ class Exchange:
         transport = connection.transport if connection is not None else None
         if connection is None or transport is None or transport.is_closing():
             return  # the engine's side is closed already (its connection_lost is queued)
-        connection.pause_reading()
+        connection.retire()
         if self.loss_hook is not None:
             self.loss_hook.follow_up(connection.end)
         else:

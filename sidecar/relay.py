@@ -323,7 +323,7 @@ class UpstreamConnection(asyncio.Protocol):
         self.keepalive: asyncio.TimerHandle | None = None
         self._drained: asyncio.Future[None] | None = None  # while writing waits (pause_writing)
         self._reading = True
-        self._ended = False  # end() was called: nothing more is written
+        self._ended = False  # retire() or end() was called: nothing more is written or pooled
 
     # asyncio.Protocol
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
@@ -443,6 +443,12 @@ class UpstreamConnection(asyncio.Protocol):
         transport = self.transport
         if transport is not None and not transport.is_closing():
             transport.close()
+
+    def retire(self) -> None:
+        """The client left: stop reading the engine's response, and never write to nor pool
+        this connection again (:attr:`reusable` is False from now on); :meth:`end` follows."""
+        self.pause_reading()
+        self._ended = True
 
     def end(self) -> None:
         """End the connection on the engine's side now: ``shutdown(SHUT_RDWR)`` (the engine

@@ -12,8 +12,10 @@ Proof comes from vLLM's own ``/metrics`` (``vllm:num_requests_running``,
 - without the sidecar, a disconnected request keeps running and generating;
 - through the sidecar, running drops to 0 and the token counter stops, for streaming and
   non-streaming chat and completions, and for a completion with three prompts;
-- requests that are not disconnected come back byte-identical (after normalising the per-request
-  ``id`` and ``created`` fields), and ``X-Request-Id`` is the id vLLM used;
+- requests that are not disconnected come back byte-identical: JSON answers equal a direct
+  request's after normalising the per-request ``id`` and ``created`` fields; a stream equals the
+  bytes vLLM wrote on the sidecar's connection (a byte recorder in between); and
+  ``X-Request-Id`` is the id vLLM used;
 - the ``openai`` SDK works through the sidecar, and abandoning its stream aborts the engine.
 - the cancel API (``POST /v1/requests/{id}/cancel``) and a deadline (``X-Sidecar-Deadline-S``)
   stop a request whose client stays connected, streaming (final SSE error event, no ``[DONE]``)
@@ -393,18 +395,11 @@ SAME_CASES = {
     "chat": ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi there"}]},
              "chatcmpl-"),
     "completion": ("/v1/completions", {"prompt": "the lazy dog"}, "cmpl-"),
-    "chat stream": ("/v1/chat/completions",
-                    {"messages": [{"role": "user", "content": "hi there"}], "stream": True},
-                    "chatcmpl-"),
 }
 
 
-STREAM_ATTEMPTS = 5
-
-
-def _sse_events(raw: bytes, engine_id: str) -> list[bytes]:
-    return [normalise(e, engine_id) if e != b"data: [DONE]" else e
-            for e in raw.split(b"\n\n") if e]
+def _sse_events(raw: bytes) -> list[bytes]:
+    return [e for e in raw.split(b"\n\n") if e]
 
 
 def _text(events: list[bytes]) -> str:
@@ -421,45 +416,128 @@ def _text(events: list[bytes]) -> str:
 async def test_completed_request_is_byte_identical_through_sidecar(
         case: str, engine: VLLMServer, sidecar: SidecarProcess, model_dir: Path,
         http: aiohttp.ClientSession) -> None:
-    """Non-streaming: identical bytes after normalising ``id``/``created``. Streaming: vLLM
-    itself merges several tokens into one SSE event when its API process falls behind (its
-    output collector coalesces deltas), so two direct runs can differ in framing under CPU
-    contention; the test therefore needs one identical pair in up to five, and every pair
-    must carry the same generated text."""
+    """Non-streaming: identical bytes after normalising ``id``/``created``."""
     path, body, prefix = SAME_CASES[case]
     payload = {"model": str(model_dir), **SHORT, **body}
-    attempts: list[tuple[list[bytes], list[bytes]]] = []
-    for _ in range(STREAM_ATTEMPTS if body.get("stream") else 1):
-        direct_id = f"e2e-same-{uuid.uuid4().hex[:8]}"
-        async with http.post(engine.base_url + path, json=payload,
-                             headers={"X-Request-Id": direct_id}) as resp:
-            assert resp.status == 200, f"expected 200 from vLLM, got {resp.status}"
-            direct_type, direct = resp.headers["Content-Type"], await resp.read()
-        async with http.post(sidecar.base_url + path, json=payload) as resp:
+    direct_id = f"e2e-same-{uuid.uuid4().hex[:8]}"
+    async with http.post(engine.base_url + path, json=payload,
+                         headers={"X-Request-Id": direct_id}) as resp:
+        assert resp.status == 200, f"expected 200 from vLLM, got {resp.status}"
+        direct_type, direct = resp.headers["Content-Type"], await resp.read()
+    async with http.post(sidecar.base_url + path, json=payload) as resp:
+        assert resp.status == 200, f"expected 200 through the sidecar, got {resp.status}"
+        proxied_type, proxied = resp.headers["Content-Type"], await resp.read()
+        sidecar_id = resp.headers["X-Request-Id"]
+    assert proxied_type == direct_type, (direct_type, proxied_type)
+    assert normalise(proxied, prefix + sidecar_id) == normalise(direct, prefix + direct_id), (
+        f"expected identical bodies after normalising id/created:\n direct  {direct!r}"
+        f"\n sidecar {proxied!r}")
+
+
+class ByteRecorder:
+    """A TCP forwarder on 127.0.0.1 in front of ``target_port`` that keeps every byte the
+    target sent, per connection (``sent``), so a test can compare what vLLM wrote on the
+    sidecar's connection with what the client read."""
+
+    def __init__(self, target_port: int) -> None:
+        self.target_port = target_port
+        self.sent: list[bytearray] = []
+        self.port = 0
+        self._server: asyncio.Server | None = None
+        self._writers: list[asyncio.StreamWriter] = []
+
+    async def start(self) -> None:
+        self._server = await asyncio.start_server(self._serve, "127.0.0.1", 0)
+        self.port = self._server.sockets[0].getsockname()[1]
+
+    async def stop(self) -> None:
+        assert self._server is not None
+        self._server.close()
+        for writer in self._writers:
+            writer.transport.abort()
+        await self._server.wait_closed()
+
+    async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        up_reader, up_writer = await asyncio.open_connection("127.0.0.1", self.target_port)
+        self._writers += [writer, up_writer]
+        kept = bytearray()
+        self.sent.append(kept)
+
+        async def pipe(src: asyncio.StreamReader, dst: asyncio.StreamWriter,
+                       keep: bytearray | None) -> None:
+            try:
+                while data := await src.read(65536):
+                    if keep is not None:
+                        keep += data
+                    dst.write(data)
+                    await dst.drain()
+            except ConnectionError:
+                pass
+            finally:
+                dst.close()
+
+        await asyncio.gather(pipe(reader, up_writer, None), pipe(up_reader, writer, kept),
+                             return_exceptions=True)
+
+
+def dechunk(body: bytes) -> bytes:
+    """An HTTP/1.1 chunked body's payload (RFC 9112 section 7.1); raises ``ValueError`` if it is
+    not whole."""
+    out, at = bytearray(), 0
+    while True:
+        line_end = body.index(b"\r\n", at)
+        size = int(body[at:line_end].split(b";")[0], 16)
+        at = line_end + 2
+        if size == 0:
+            return bytes(out)
+        out += body[at:at + size]
+        if body[at + size:at + size + 2] != b"\r\n":
+            raise ValueError(f"chunk at {at} not followed by CRLF")
+        at += size + 2
+
+
+async def test_stream_reaches_the_client_exactly_as_vllm_sent_it(
+        engine: VLLMServer, model_dir: Path, http: aiohttp.ClientSession,
+        tmp_path_factory: pytest.TempPathFactory) -> None:
+    """A streaming chat through a sidecar whose engine connection passes a byte recorder: the
+    client reads exactly the SSE bytes vLLM wrote on that connection, every event and
+    ``data: [DONE]`` last. Compared with what vLLM sent for this very request, so vLLM's own
+    framing (it coalesces deltas into one event when its API process falls behind) cannot make
+    it differ; a direct request with the same seed must still produce the same text."""
+    path, body = "/v1/chat/completions", {"messages": [{"role": "user", "content": "hi there"}],
+                                          "stream": True}
+    payload = {"model": str(model_dir), **SHORT, **body}
+    recorder = ByteRecorder(int(engine.base_url.rsplit(":", 1)[1]))
+    await recorder.start()
+    sc = start_sidecar(f"http://127.0.0.1:{recorder.port}", tmp_path_factory.mktemp("recorded"))
+    try:
+        async with http.post(sc.base_url + path, json=payload) as resp:
             assert resp.status == 200, f"expected 200 through the sidecar, got {resp.status}"
-            proxied_type, proxied = resp.headers["Content-Type"], await resp.read()
+            proxied = await resp.read()
             sidecar_id = resp.headers["X-Request-Id"]
-        assert proxied_type == direct_type, (direct_type, proxied_type)
-        if not body.get("stream"):
-            assert normalise(proxied, prefix + sidecar_id) == normalise(
-                direct, prefix + direct_id), (
-                f"expected identical bodies after normalising id/created:\n direct  {direct!r}"
-                f"\n sidecar {proxied!r}")
-            return
-        d_events = _sse_events(direct, prefix + direct_id)
-        p_events = _sse_events(proxied, prefix + sidecar_id)
-        assert d_events[-1] == b"data: [DONE]" and len(d_events) > 3, d_events[-3:]
-        assert p_events[-1] == b"data: [DONE]", p_events[-3:]
-        assert _text(p_events) == _text(d_events), (
-            f"expected the same generated text through the sidecar:\n direct  "
-            f"{_text(d_events)!r}\n sidecar {_text(p_events)!r}")
-        if p_events == d_events:
-            return
-        attempts.append((d_events, p_events))
-    diffs = [next(((d, p) for d, p in zip(de, pe, strict=False) if d != p),
-                  (len(de), len(pe))) for de, pe in attempts]
-    raise AssertionError(f"expected the same SSE events through the sidecar in one of "
-                         f"{STREAM_ATTEMPTS} tries; first differences (direct, sidecar): {diffs}")
+        async with http.post(engine.base_url + path, json=payload) as resp:
+            assert resp.status == 200, f"expected 200 from vLLM, got {resp.status}"
+            direct = await resp.read()
+    finally:
+        status = sc.stop()
+        await recorder.stop()
+    assert status == 0, f"expected the sidecar to exit 0 on SIGTERM, got {status}"
+    answers = [bytes(raw) for raw in recorder.sent if f"chatcmpl-{sidecar_id}".encode() in raw]
+    assert len(answers) == 1, (
+        f"expected one engine connection carrying chatcmpl-{sidecar_id}, got {len(answers)}")
+    head, _, rest = answers[0].partition(b"\r\n\r\n")
+    assert b"transfer-encoding: chunked" in head.lower(), f"expected a chunked stream: {head!r}"
+    sent = dechunk(rest)
+    differ = next((i for i, (a, b) in enumerate(zip(proxied, sent, strict=False)) if a != b),
+                  None)
+    assert proxied == sent, (
+        f"expected the client to read exactly the {len(sent)} bytes vLLM sent, got "
+        f"{len(proxied)}; first difference at byte {differ}")
+    events = _sse_events(proxied)
+    assert events[-1] == b"data: [DONE]" and len(events) > 3, events[-3:]
+    assert _text(events) == _text(_sse_events(direct)), (
+        f"expected the same generated text as a direct request:\n direct  "
+        f"{_text(_sse_events(direct))!r}\n sidecar {_text(events)!r}")
 
 
 async def test_x_request_id_is_the_id_vllm_used(
