@@ -1,0 +1,104 @@
+"""The pacing of what follows lost connections (:class:`sidecar.downstream.TeardownPacer`), turn
+by turn, on a real uvloop event loop.
+
+A turn right after one in which connections were lost (clients still leaving) is busy: it runs
+at most ``follow_ups_per_busy_turn`` follow-ups (the engine-side shutdowns) and
+``per_busy_turn`` teardowns, so that the aborts of the disconnects still arriving go first. A
+quiet turn runs every follow-up waiting and up to ``per_turn`` teardowns. The end to end effect
+(abort latency in a storm) is measured by ``python -m bench``; these tests pin the policy.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Any, cast
+
+from sidecar.downstream import DownstreamHandler, TeardownPacer
+
+
+class Handler:
+    """Stands for a :class:`DownstreamHandler`: records its teardown."""
+
+    def __init__(self, name: str, done: list[str]) -> None:
+        self.name = name
+        self.done = done
+
+    def torn_down(self, exc: BaseException | None) -> None:
+        self.done.append(self.name)
+
+
+def lose(pacer: TeardownPacer, count: int, done: list[str], tag: str) -> None:
+    """``count`` lost connections, each with its shutdown follow-up, as the proxy does them."""
+    for i in range(count):
+        pacer.follow_up(lambda i=i: done.append(f"{tag}-end-{i}"))
+        pacer.defer(cast(DownstreamHandler, Handler(f"{tag}-teardown-{i}", done)), None)
+
+
+async def one_turn() -> None:
+    await asyncio.sleep(0)  # the pacer's turn was queued first: it runs, then this task
+
+
+def counts(done: list[str], since: int) -> tuple[int, int]:
+    new = done[since:]
+    return sum("-end-" in d for d in new), sum("-teardown-" in d for d in new)
+
+
+async def test_after_a_burst_one_busy_turn_then_quiet_ones() -> None:
+    pacer = TeardownPacer()
+    done: list[str] = []
+    lose(pacer, 40, done, "a")
+    seen: list[tuple[int, int]] = []
+    for _ in range(5):
+        before = len(done)
+        await one_turn()
+        seen.append(counts(done, before))
+    assert seen == [(4, 1), (36, 16), (0, 16), (0, 7), (0, 0)], (
+        f"expected a busy turn (4 shutdowns, 1 teardown), then quiet ones (every shutdown, 16 "
+        f"teardowns each), got (shutdowns, teardowns) per turn {seen}")
+    ends = [d for d in done if "-end-" in d]
+    teardowns = [d for d in done if "-teardown-" in d]
+    assert ends == [f"a-end-{i}" for i in range(40)], f"expected oldest first, got {ends}"
+    assert teardowns == [f"a-teardown-{i}" for i in range(40)], (
+        f"expected oldest first, got {teardowns}")
+
+
+async def test_while_clients_keep_leaving_every_turn_is_busy() -> None:
+    pacer = TeardownPacer()
+    done: list[str] = []
+    seen: list[tuple[int, int]] = []
+    for turn in range(6):
+        lose(pacer, 10, done, f"t{turn}")  # more clients leave before each turn
+        before = len(done)
+        await one_turn()
+        seen.append(counts(done, before))
+    assert seen == [(4, 1)] * 6, (
+        f"expected every turn busy while clients keep leaving (4 shutdowns, 1 teardown), got "
+        f"{seen}")
+    before = len(done)
+    await one_turn()
+    assert counts(done, before) == (60 - 24, 16), (
+        f"expected the first quiet turn to run every shutdown left and 16 teardowns, got "
+        f"{counts(done, before)}")
+
+
+async def test_follow_ups_alone_run_in_the_next_turn() -> None:
+    """A follow-up with no lost connection in the turn before (nothing deferred) is not held."""
+    pacer = TeardownPacer()
+    done: list[Any] = []
+    for i in range(10):
+        pacer.follow_up(lambda i=i: done.append(i))
+    await one_turn()
+    assert done == list(range(10)), f"expected all 10 follow-ups in the next turn, got {done}"
+
+
+async def test_a_failing_follow_up_does_not_stop_the_others() -> None:
+    pacer = TeardownPacer()
+    done: list[str] = []
+
+    def broken() -> None:
+        raise RuntimeError("a sidecar bug")
+
+    pacer.follow_up(broken)
+    pacer.follow_up(lambda: done.append("after"))
+    await one_turn()
+    assert done == ["after"], f"expected the next follow-up to run, got {done}"
