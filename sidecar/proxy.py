@@ -150,7 +150,6 @@ class Exchange:
         self.phase: str | None = None
         self.response: web.StreamResponse | None = None  # once the relayed head is built
         self.downstream: Downstream | None = None  # the relayed body's byte path
-        self.loss_hook: LossHook | None = None  # the downstream protocol, if it has the hook
         self.task = asyncio.current_task()  # the handler's, cancelled by the cancel API
         self.ending: Ending | None = None  # set when the sidecar asks to end the request
         self.sent_at: float | None = None  # time.monotonic() when the upstream request started
@@ -399,10 +398,8 @@ class Exchange:
         if connection is None or transport is None or transport.is_closing():
             return  # the engine's side is closed already (its connection_lost is queued)
         connection.retire()
-        if self.loss_hook is not None:
-            self.loss_hook.follow_up(connection.end)
-        else:
-            asyncio.get_running_loop().call_soon(connection.end)
+        # Only ever reached from client_gone, which the downstream protocol's hook calls.
+        cast(LossHook, self.request.protocol).follow_up(connection.end)
 
     def _stop(self, reason: str, *, disconnect: bool) -> None:
         if self.noticed_at is None:
@@ -724,7 +721,6 @@ async def handle(request: web.Request, runtime: Runtime) -> web.StreamResponse:
     hook = cast(LossHook, protocol) if hasattr(protocol, "on_lost") else None
     if hook is not None:
         hook.on_lost = exchange.client_gone
-        exchange.loss_hook = hook
     in_flight = metrics.in_flight.labels(target.prefix)
     in_flight.inc()
     status_class = "disconnected"  # or "cancelled": the sidecar ended it (shutdown, cancel API,
