@@ -67,6 +67,15 @@ def request_bytes(method: str, target: str, headers: list[tuple[str, str]] | Non
     return head.encode("latin-1") + b"\r\n" + body
 
 
+def reader_of(raw: bytes) -> asyncio.StreamReader:
+    """A reader holding ``raw`` and then its end: bytes already taken off the wire (e.g. a
+    response recorded whole) read with :func:`read_head` and :func:`read_body`."""
+    reader = asyncio.StreamReader()
+    reader.feed_data(raw)
+    reader.feed_eof()
+    return reader
+
+
 async def read_head(reader: asyncio.StreamReader) -> RawResponse:
     """Read a status line and headers; interim 1xx responses are returned like any other."""
     raw = await reader.readuntil(b"\r\n\r\n")
@@ -91,6 +100,8 @@ async def read_body(reader: asyncio.StreamReader, head: RawResponse,
                     head.ending = "complete"
                     return head
                 chunk = await reader.readexactly(size + 2)
+                if chunk[-2:] != b"\r\n":
+                    raise ValueError(f"a {size}-byte chunk not followed by CRLF: {chunk[-2:]!r}")
                 head.chunks.append(chunk[:-2])
                 head.body += chunk[:-2]
         elif length is not None:

@@ -24,7 +24,7 @@ from sidecar.server import Servers
 from tests import rawhttp
 from tests.conftest import sidecar_settings
 from tests.fake_engine import ABORT_PATH
-from tests.upstreams import read_request_body
+from tests.upstreams import RawServer, read_request_body
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -59,7 +59,7 @@ Script = Callable[[Seen, Conn], Awaitable[bool]]  # returns False: close the con
 
 
 @dataclass
-class ScriptedEngine:
+class ScriptedEngine(RawServer):
     """A raw HTTP/1.1 engine: each request goes to ``script``; abort calls are answered 200 and
     recorded in ``aborts``. ``read_bodies=False``: request bodies are left unread."""
 
@@ -76,25 +76,10 @@ class ScriptedEngine:
     _writers: set[asyncio.StreamWriter] = field(default_factory=set)
 
     @property
-    def url(self) -> str:
-        return f"http://127.0.0.1:{self.port}"
-
-    @property
     def request_connections(self) -> int:
         """How many connections carried proxied requests (the sidecar's abort and readiness
         connections are not counted)."""
         return len({seen.connection for seen in self.requests})
-
-    async def start(self) -> None:
-        self._server = await asyncio.start_server(self._serve, "127.0.0.1", 0)
-        self.port = self._server.sockets[0].getsockname()[1]
-
-    async def stop(self) -> None:
-        assert self._server is not None
-        self._server.close()
-        for writer in list(self._writers):
-            writer.transport.abort()
-        await self._server.wait_closed()
 
     async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         conn = Conn(self.connections, reader, writer)
@@ -885,10 +870,7 @@ async def test_response_ending_while_the_client_is_behind_keeps_its_connection_p
             while not (raw.endswith(b"0\r\n\r\n") if head.chunked else len(raw) >= size):
                 await asyncio.sleep(0.001)  # slowly: the relay pauses and resumes all along
                 raw += await reader.read(16384)
-            framed = asyncio.StreamReader()
-            framed.feed_data(raw)
-            framed.feed_eof()
-            got = (await rawhttp.read_body(framed, head)).body
+            got = (await rawhttp.read_body(rawhttp.reader_of(raw), head)).body
             writer.write(get("/second"))
             second = await rawhttp.read_body(reader, await rawhttp.read_head(reader))
     assert got == body, f"expected the {size}-byte body whole, got {len(got)} bytes"

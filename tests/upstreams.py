@@ -32,28 +32,16 @@ class RawRequest:
 Responder = Callable[[RawRequest], bytes | None]
 
 
-class RawUpstream:
-    """A raw HTTP/1.1 server. ``respond(request)`` gives the response bytes, or ``None`` to
-    never answer: the connection then stays open until :meth:`stop`, or is closed at once with
-    ``drop_unanswered``. ``close_after_response`` closes every connection after one response."""
+class RawServer:
+    """An asyncio server on 127.0.0.1, a free port: :meth:`_serve` runs per connection, and
+    :meth:`stop` resets every connection whose writer is in ``_writers``. Subclasses that are
+    dataclasses declare ``port``, ``_server`` and ``_writers`` as fields instead of calling
+    ``__init__``."""
 
-    def __init__(self, respond: Responder, *, idle_close_s: float | None = None,
-                 close_after_response: bool = False, drop_unanswered: bool = False,
-                 drop_idle_s: float | None = None) -> None:
-        self.respond = respond
-        self.drop_unanswered = drop_unanswered
-        self.drop_idle_s = drop_idle_s
-        self.dropped = 0  # requests met by a close (drop_idle_s)
-        self.dropped_event = asyncio.Event()
-        self.idle_close_s = idle_close_s
-        self.close_after_response = close_after_response
-        self.requests: list[RawRequest] = []
-        self.connections = 0
-        self.open: set[int] = set()  # numbers of the connections not yet closed
-        self.received = asyncio.Event()
+    def __init__(self) -> None:
+        self.port = 0
         self._server: asyncio.Server | None = None
         self._writers: set[asyncio.StreamWriter] = set()
-        self.port = 0
 
     @property
     def url(self) -> str:
@@ -69,6 +57,31 @@ class RawUpstream:
         for writer in list(self._writers):
             writer.transport.abort()
         await self._server.wait_closed()
+
+    async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        raise NotImplementedError
+
+
+class RawUpstream(RawServer):
+    """A raw HTTP/1.1 server. ``respond(request)`` gives the response bytes, or ``None`` to
+    never answer: the connection then stays open until :meth:`stop`, or is closed at once with
+    ``drop_unanswered``. ``close_after_response`` closes every connection after one response."""
+
+    def __init__(self, respond: Responder, *, idle_close_s: float | None = None,
+                 close_after_response: bool = False, drop_unanswered: bool = False,
+                 drop_idle_s: float | None = None) -> None:
+        super().__init__()
+        self.respond = respond
+        self.drop_unanswered = drop_unanswered
+        self.drop_idle_s = drop_idle_s
+        self.dropped = 0  # requests met by a close (drop_idle_s)
+        self.dropped_event = asyncio.Event()
+        self.idle_close_s = idle_close_s
+        self.close_after_response = close_after_response
+        self.requests: list[RawRequest] = []
+        self.connections = 0
+        self.open: set[int] = set()  # numbers of the connections not yet closed
+        self.received = asyncio.Event()
 
     async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         conn = self.connections

@@ -54,6 +54,7 @@ import aiohttp
 import openai
 from prometheus_client.parser import text_string_to_metric_families
 
+from tests import rawhttp
 from tests.e2e.measure import MetricsSampler, RawClient, StopReport
 from tests.e2e.sidecar_process import SidecarProcess, start_sidecar
 from tests.e2e.tiny_model import E2E_MODEL_KWARGS, build_tiny_model
@@ -63,6 +64,7 @@ from tests.e2e.vllm_server import (
     read_metrics,
     start_vllm_server,
 )
+from tests.upstreams import RawServer
 
 # A failed e2e test is run again, at most twice, and the failure stays in the report ("R"):
 # on this 2-core machine vLLM's API process or the test process stalls for ~2 s now and then
@@ -434,32 +436,19 @@ async def test_completed_request_is_byte_identical_through_sidecar(
         f"\n sidecar {proxied!r}")
 
 
-class ByteRecorder:
+class ByteRecorder(RawServer):
     """A TCP forwarder on 127.0.0.1 in front of ``target_port`` that keeps every byte the
     target sent, per connection (``sent``), so a test can compare what vLLM wrote on the
     sidecar's connection with what the client read."""
 
     def __init__(self, target_port: int) -> None:
+        super().__init__()
         self.target_port = target_port
         self.sent: list[bytearray] = []
-        self.port = 0
-        self._server: asyncio.Server | None = None
-        self._writers: list[asyncio.StreamWriter] = []
-
-    async def start(self) -> None:
-        self._server = await asyncio.start_server(self._serve, "127.0.0.1", 0)
-        self.port = self._server.sockets[0].getsockname()[1]
-
-    async def stop(self) -> None:
-        assert self._server is not None
-        self._server.close()
-        for writer in self._writers:
-            writer.transport.abort()
-        await self._server.wait_closed()
 
     async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         up_reader, up_writer = await asyncio.open_connection("127.0.0.1", self.target_port)
-        self._writers += [writer, up_writer]
+        self._writers |= {writer, up_writer}
         kept = bytearray()
         self.sent.append(kept)
 
@@ -478,22 +467,6 @@ class ByteRecorder:
 
         await asyncio.gather(pipe(reader, up_writer, None), pipe(up_reader, writer, kept),
                              return_exceptions=True)
-
-
-def dechunk(body: bytes) -> bytes:
-    """An HTTP/1.1 chunked body's payload (RFC 9112 section 7.1); raises ``ValueError`` if it is
-    not whole."""
-    out, at = bytearray(), 0
-    while True:
-        line_end = body.index(b"\r\n", at)
-        size = int(body[at:line_end].split(b";")[0], 16)
-        at = line_end + 2
-        if size == 0:
-            return bytes(out)
-        out += body[at:at + size]
-        if body[at + size:at + size + 2] != b"\r\n":
-            raise ValueError(f"chunk at {at} not followed by CRLF")
-        at += size + 2
 
 
 async def test_stream_reaches_the_client_exactly_as_vllm_sent_it(
@@ -525,9 +498,11 @@ async def test_stream_reaches_the_client_exactly_as_vllm_sent_it(
     answers = [bytes(raw) for raw in recorder.sent if f"chatcmpl-{sidecar_id}".encode() in raw]
     assert len(answers) == 1, (
         f"expected one engine connection carrying chatcmpl-{sidecar_id}, got {len(answers)}")
-    head, _, rest = answers[0].partition(b"\r\n\r\n")
-    assert b"transfer-encoding: chunked" in head.lower(), f"expected a chunked stream: {head!r}"
-    sent = dechunk(rest)
+    recorded = rawhttp.reader_of(answers[0])
+    answer = await rawhttp.read_body(recorded, await rawhttp.read_head(recorded))
+    assert answer.chunked and answer.ending == "complete", (
+        f"expected a whole chunked stream from vLLM, got {answer.headers}, {answer.ending}")
+    sent = answer.body
     differ = next((i for i, (a, b) in enumerate(zip(proxied, sent, strict=False)) if a != b),
                   None)
     assert proxied == sent, (
