@@ -11,11 +11,12 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable, Callable
+from typing import cast
 
 import aiohttp
-from aiohttp import web
-from aiohttp.typedefs import Handler
+from aiohttp import hdrs, web
+from aiohttp.web_request import BaseRequest
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
 
 from sidecar.abort import Aborter
@@ -47,14 +48,38 @@ async def _engines_ctx(app: web.Application) -> AsyncIterator[None]:
         await asyncio.gather(runtimes.close(), aborter.close())
 
 
-async def _proxy(request: web.Request) -> web.StreamResponse:
-    """Counts the request on the config generation it starts on, then proxies it."""
-    runtimes = request.app[RUNTIME]
-    runtime = runtimes.enter()
-    try:
-        return await handle(request, runtime)
-    finally:
-        runtimes.leave(runtime)
+def proxy_handler(app: web.Application) -> Callable[[BaseRequest], Awaitable[web.StreamResponse]]:
+    """What serves every request on the proxy listener
+    (:class:`sidecar.downstream.DownstreamRunner`'s ``handler``): :func:`sidecar.proxy.handle`
+    on the config generation the request starts on, counted on it until it ends.
+
+    The proxy has one route (every method, every path), so aiohttp's router, middleware chain
+    and ``on_response_prepare`` signal are not run (``Application._handle``: ~36 us of a
+    request's time to first byte on the bench machine, docs/semantics.md section 6a); what of
+    them applies is done here: ``Expect`` is answered first (:func:`_expect`, with aiohttp's
+    drain after it) and an aiohttp ``HTTPException`` of status >= 400 gets the proxy's
+    OpenAI-style JSON body. ``request.app`` is not set on such requests: the proxy's state is
+    read from ``app``.
+    """
+    async def serve(base: BaseRequest) -> web.StreamResponse:
+        request = cast(web.Request, base)  # made by app's request factory
+        try:
+            if request.headers.get(hdrs.EXPECT):
+                refusal = await _expect(request, app)
+                await request.writer.drain()
+                if refusal is not None:
+                    return refusal
+            runtimes = app[RUNTIME]
+            runtime = runtimes.enter()
+            try:
+                return await handle(request, runtime, app)
+            finally:
+                runtimes.leave(runtime)
+        except web.HTTPException as exc:
+            if exc.status < 400:
+                raise
+            return error_response(exc.status, exc.reason, "invalid_request")
+    return serve
 
 
 def reload(app: web.Application, settings: Settings) -> tuple[list[str], list[str]]:
@@ -71,20 +96,9 @@ def reload(app: web.Application, settings: Settings) -> tuple[list[str], list[st
     return applied, ignored
 
 
-@web.middleware
-async def _json_errors(request: web.Request, handler: Handler) -> web.StreamResponse:
-    """aiohttp's own refusals (e.g. a request target that is no path, ``OPTIONS *``) get the
-    same OpenAI-style JSON body as the proxy's."""
-    try:
-        return await handler(request)
-    except web.HTTPException as exc:
-        if exc.status < 400:
-            raise
-        return error_response(exc.status, exc.reason, "invalid_request")
-
-
 def make_app(settings: Settings, registry: CollectorRegistry) -> web.Application:
-    """The proxy application: every method and path goes through :func:`sidecar.proxy.handle`.
+    """The proxy application: its state, its startup and cleanup, and aiohttp's request
+    settings; it has no routes: every method and path is served by :func:`proxy_handler`.
 
     ``client_max_size`` only limits ``request.read()``, which the proxy never calls: bodies
     stream through, bounded by ``downstream.max_body_bytes`` (:mod:`sidecar.upstream`).
@@ -94,18 +108,16 @@ def make_app(settings: Settings, registry: CollectorRegistry) -> web.Application
     """
     app = web.Application(handler_args={"max_field_size": MAX_HEADER_BYTES,
                                         "max_line_size": MAX_HEADER_BYTES,
-                                        "auto_decompress": False},
-                          middlewares=[_json_errors])
+                                        "auto_decompress": False})
     app[SETTINGS] = settings
     app[REGISTRY] = registry
     app[METRICS] = Metrics(registry)
     app[EXCHANGES] = {}
     app.cleanup_ctx.append(_engines_ctx)
-    app.router.add_route("*", "/{path:.*}", _proxy, expect_handler=_expect)
     return app
 
 
-async def _expect(request: web.Request) -> web.StreamResponse | None:
+async def _expect(request: web.Request, app: web.Application) -> web.StreamResponse | None:
     """Answer ``Expect`` before the body is read: invite the body only if it will be accepted.
 
     A ``Content-Length`` over ``downstream.max_body_bytes`` gets no ``100 Continue``: the proxy
@@ -114,7 +126,7 @@ async def _expect(request: web.Request) -> web.StreamResponse | None:
     handler (``web_urldispatcher._default_expect_handler``): ``100 Continue`` on HTTP/1.1, and a
     JSON 417 for any other expectation.
     """
-    limit = request.app[RUNTIME].current.settings.downstream.max_body_bytes
+    limit = app[RUNTIME].current.settings.downstream.max_body_bytes
     length = request.content_length
     if limit and length is not None and length > limit:
         return None

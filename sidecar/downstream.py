@@ -328,11 +328,17 @@ def refusing_unusable_targets(
 
 class DownstreamServer(web.Server):
     """``web.Server`` whose connections are :class:`DownstreamHandler`, sharing one
-    :class:`TeardownPacer`."""
+    :class:`TeardownPacer`. ``accepted``: connections made so far (with aiohttp's
+    ``requests_count``, what a stop watches: ``sidecar.server.take_in_arrivals``)."""
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         self.pacer = TeardownPacer()
+        self.accepted = 0
+
+    def connection_made(self, handler: RequestHandler, transport: asyncio.Transport) -> None:
+        super().connection_made(handler, transport)
+        self.accepted += 1
 
     def __call__(self) -> RequestHandler:
         return DownstreamHandler(self, loop=self._loop, pacer=self.pacer, **self._kwargs)
@@ -340,12 +346,21 @@ class DownstreamServer(web.Server):
 
 class DownstreamRunner(web.AppRunner):
     """``web.AppRunner`` serving its app through a :class:`DownstreamServer`; takes the same
-    arguments (``keepalive_timeout``, ``handler_cancellation``, ...)."""
+    arguments (``keepalive_timeout``, ``handler_cancellation``, ...), and ``handler``: what
+    serves every request instead of the app's router (the proxy's,
+    :func:`sidecar.app.proxy_handler`; requests are still made by the app's request factory)."""
+
+    def __init__(self, app: web.Application, *,
+                 handler: Callable[[BaseRequest], Awaitable[web.StreamResponse]] | None = None,
+                 **kwargs: Any) -> None:
+        super().__init__(app, **kwargs)
+        self._handler = handler
 
     async def _make_server(self) -> web.Server:
         plain = await super()._make_server()  # starts the app, merges the app's handler_args
         kwargs: dict[str, Any] = dict(plain._kwargs)
-        return DownstreamServer(refusing_unusable_targets(plain.request_handler),
+        handler = plain.request_handler if self._handler is None else self._handler
+        return DownstreamServer(refusing_unusable_targets(handler),
                                 request_factory=guarded_request_factory(plain.request_factory),
                                 handler_cancellation=plain.handler_cancellation,
                                 loop=asyncio.get_running_loop(), **kwargs)

@@ -81,7 +81,6 @@ from sidecar.errors import (
     UpstreamReadTimeout,
 )
 from sidecar.headers import downstream_response_headers, is_upgrade, upgrade_request_headers
-from sidecar.keys import METRICS
 from sidecar.logs import RequestLog
 from sidecar.metrics import Metrics
 from sidecar.route import RouteTarget
@@ -301,12 +300,12 @@ class Tunnel:
     """One upgrade request: the handshake, then the relay until either side ends it."""
 
     def __init__(self, request: web.Request, runtime: Runtime, target: RouteTarget,
-                 target_path: str) -> None:
+                 target_path: str, metrics: Metrics) -> None:
         self.request = request
         self.runtime = runtime
         self.target = target
         self.target_path = target_path
-        self.metrics: Metrics = request.app[METRICS]
+        self.metrics = metrics
         self.loop = asyncio.get_running_loop()
         self.id = uuid.uuid4().hex
         self.upgrade = request.headers.get("Upgrade", "")[:40]
@@ -623,9 +622,11 @@ class Tunnel:
 
 
 async def relay(request: web.Request, runtime: Runtime, target: RouteTarget, target_path: str,
-                received: float, deadline_s: float | None) -> web.StreamResponse:
+                received: float, deadline_s: float | None,
+                metrics: Metrics) -> web.StreamResponse:
     """Relay the upgrade ``request`` (:func:`wants_tunnel`) to ``target``'s engine:
     ``target_path`` is its origin-form target, ``received`` the loop time its head arrived and
-    ``deadline_s`` its deadline in seconds (``None``: none). Returns the response for aiohttp;
-    never raises :class:`~sidecar.errors.UpstreamError` (answered 502/504)."""
-    return await Tunnel(request, runtime, target, target_path).run(received, deadline_s)
+    ``deadline_s`` its deadline in seconds (``None``: none); counted in ``metrics``. Returns
+    the response for aiohttp; never raises :class:`~sidecar.errors.UpstreamError` (answered
+    502/504)."""
+    return await Tunnel(request, runtime, target, target_path, metrics).run(received, deadline_s)

@@ -51,8 +51,10 @@ async def test_absolute_form_target_never_changes_the_upstream(
 async def test_asterisk_form_gets_a_json_400(engine: FakeEngine, sidecar: Servers) -> None:
     status, body = await _raw(sidecar.proxy_port,
                               b"OPTIONS * HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n")
-    assert status in (400, 404), f"expected a 4xx for OPTIONS *, got {status}"
-    assert "error" in json.loads(body), f"expected a JSON error body, got {body!r}"
+    # aiohttp's router answered 404 before the proxy saw the request; the proxy has no router
+    # now (sidecar.app.proxy_handler) and answers the documented 400 itself.
+    assert status == 400, f"expected a 400 for OPTIONS *, got {status}"
+    assert json.loads(body)["error"]["message"] == "the request target must be a path", body
     assert engine.record.requests == [], "expected nothing forwarded to the engine"
 
 
@@ -131,7 +133,7 @@ async def test_engine_api_key_never_reaches_a_client(engine: FakeEngine,
         f"GET /echo/key HTTP/1.1\r\n{close}".encode(),                        # proxied
         f"POST /inference/v1/abort_requests HTTP/1.1\r\nContent-Length: {len(body)}\r\n"
         f"{close}".encode() + body,                                            # 403
-        f"OPTIONS * HTTP/1.1\r\n{close}".encode(),                             # 404
+        f"OPTIONS * HTTP/1.1\r\n{close}".encode(),                             # 400
         b"GET /echo HTTP/1.1\r\nBad Header\r\n\r\n",                           # 400 (parser)
         f"POST /echo HTTP/1.1\r\nTransfer-Encoding: gzip, chunked\r\n{close}0\r\n\r\n"
         .encode(),                                                             # 501
@@ -142,7 +144,7 @@ async def test_engine_api_key_never_reaches_a_client(engine: FakeEngine,
         answers.append(await _raw_whole(sidecar.admin_port,
                                         f"GET {path} HTTP/1.1\r\n{close}".encode()))
     statuses = [int(answer.split(b" ", 2)[1]) for answer in answers]
-    assert statuses == [200, 403, 404, 400, 501, 200, 200, 200], statuses
+    assert statuses == [200, 403, 400, 400, 501, 200, 200, 200], statuses
     assert engine.record.probes and engine.record.probes[-1].authorization == "Bearer sekret-key", (
         "expected /readyz to have made an abort call carrying the key")
     for raw, answer in zip(proxy_requests + [b"admin"] * 3, answers, strict=True):
