@@ -218,13 +218,13 @@ class Exchange:
                 raise _left_first(exc) from exc
             return self._fail(exc)
         self.upstream = upstream
-        # Observed once the client has the head: the histogram is off the first byte's path.
-        ttfb = time.monotonic() - started
+        # Observed in the next loop turn: after the head's write (nothing below gives up the
+        # loop before it), whichever way this ends; the histogram is off the first byte's path.
+        asyncio.get_running_loop().call_soon(self._observe_ttfb, time.monotonic() - started)
         if not self.target.wants_body(request.method, request.path):
             self.body.drop_copy()
 
         if has_forbidden_characters(upstream.headers):
-            self._observe_ttfb(ttfb)
             return self._fail(UpstreamProtocolError(
                 f"{engine.base_url} sent a response header with a control character"))
         response = self.response = RelayedResponse(
@@ -238,7 +238,6 @@ class Exchange:
             # The client left while the engine answered the head (its handler's cancellation
             # waits its turn: sidecar.downstream.TeardownPacer); a closed transport refuses
             # even set_write_buffer_limits.
-            self._observe_ttfb(ttfb)
             raise ConnectionResetError("the client left before the response began")
         # Past this many unsent bytes, response.write waits (aiohttp drains every 64 KiB).
         transport.set_write_buffer_limits(high=self.runtime.settings.downstream.write_buffer_bytes)
@@ -255,19 +254,16 @@ class Exchange:
         first = upstream.take_pending()
         if first:
             downstream.account(first)
-        try:
-            if upstream.complete:
-                self.upstream_finished = True
-                await response.write_eof(first)
-                return response
-            if first:
-                # No drain here: while the handler waited, the engine's bytes would pile up
-                # unread by the relay; the relay pauses reading instead if the client is behind.
-                await writer.write(first, drain=False)
-            else:
-                writer.send_headers()
-        finally:
-            self._observe_ttfb(ttfb)
+        if upstream.complete:
+            self.upstream_finished = True
+            await response.write_eof(first)
+            return response
+        if first:
+            # No drain here: while the handler waited, the engine's bytes would pile up unread
+            # by the relay; the relay pauses reading instead if the client is behind.
+            await writer.write(first, drain=False)
+        else:
+            writer.send_headers()
         flow = cast(FlowHook, request.protocol)
         flow.flow = downstream
         # Still over the high-water mark from the previous response on this connection (a
@@ -710,13 +706,13 @@ async def handle(request: web.Request, runtime: Runtime,
     (:func:`sidecar.app.proxy_handler`)."""
     loop = asyncio.get_running_loop()
     received = loop.time()  # the head was just parsed: the deadline counts from here
-    target = runtime.router.match(request.path)
     target_path = origin_form(request.raw_path, request.rel_url.raw_path_qs)
+    if target_path is None:  # before routing: "*" matches only a catch-all route
+        return _refuse(request, 400, "the request target must be a path", "invalid_request")
+    target = runtime.router.match(request.path)
     if target is None:
         return _refuse(request, 404, f"no route for path {json.dumps(request.path)}",
                        "route_not_found")
-    if target_path is None:
-        return _refuse(request, 400, "the request target must be a path", "invalid_request")
     if request.path.rstrip("/") in target.forbidden_paths:
         # Only the sidecar aborts: a client must not abort other clients' requests.
         return _refuse(request, 403, "the engine's abort endpoint is not exposed to clients",

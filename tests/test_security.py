@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+from collections.abc import Callable
 from typing import Any
 
 import pytest
@@ -48,7 +49,13 @@ async def test_absolute_form_target_never_changes_the_upstream(
         f"expected only the path and query to reach the configured engine, got {seen['path_qs']}")
 
 
-async def test_asterisk_form_gets_a_json_400(engine: FakeEngine, sidecar: Servers) -> None:
+@pytest.mark.parametrize("prefix", ["/", "/v1"])
+async def test_asterisk_form_gets_a_json_400(engine: FakeEngine,
+                                             start_sidecar: Callable[..., Any],
+                                             prefix: str) -> None:
+    """With a catch-all route and without one ("*" would match only the catch-all)."""
+    sidecar = await start_sidecar(sidecar_settings(
+        engine.url, routes=[{"prefix": prefix, "engine": "local"}]))
     status, body = await _raw(sidecar.proxy_port,
                               b"OPTIONS * HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n")
     # aiohttp's router answered 404 before the proxy saw the request; the proxy has no router
