@@ -31,6 +31,7 @@ from tests.e2e.sidecar_process import SidecarProcess
 from tests.e2e.test_vllm_e2e import (  # model_dir and sampler: the same fixtures
     DIRECT_WATCH_S,
     model_dir,
+    rate_before,
     running_engine,
     running_sidecar,
     sampler,
@@ -108,7 +109,13 @@ async def test_a_client_that_leaves_gets_one_refused_abort_and_the_engine_goes_o
           f"{DIRECT_WATCH_S}s after the client left")
     assert all(s.running == 1 for s in late), (
         f"expected vLLM to keep the request running (the abort was refused); {late[-3:]}")
-    assert report.tokens_after >= 20, f"expected generation to go on, got {report}"
+    # Relative to the engine's own speed: the CI box's vLLM made 14 tokens in this window (a
+    # fixed 20 failed there, and its reruns then found the refused requests still running). A
+    # stopped request makes 0-1.
+    rate = rate_before(sampler, t0)
+    assert report.tokens_after >= max(5.0, 0.5 * rate * DIRECT_WATCH_S), (
+        f"expected generation to go on at no less than half its rate before the disconnect "
+        f"({rate:.1f} tokens/s), got {report}")
     refused = sidecar_counter(sidecar, "cancel_sidecar_abort_calls_total", outcome="http_403")
     ok = sidecar_counter(sidecar, "cancel_sidecar_abort_calls_total", outcome="accepted")
     assert (refused, ok) == (refused_before + 1, 0), (
