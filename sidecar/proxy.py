@@ -245,10 +245,9 @@ class Exchange:
         self.status_sent = response.status
         # aiohttp writes the head with the body that came with it (one write: RelayedResponse;
         # with the end too if the whole response is here: a JSON answer, a short stream). From
-        # there the body
-        # goes from the engine's socket to the client's transport in the relay's protocol
-        # callbacks (sidecar.relay), framed as aiohttp chose (chunked, or as is), and aiohttp
-        # writes the end.
+        # there the body goes from the engine's socket to the client's transport in the relay's
+        # protocol callbacks (sidecar.relay), framed as aiohttp chose (chunked, or as is), and
+        # aiohttp writes the end.
         writer = cast(StreamWriter, request.writer)
         downstream = self.downstream = Downstream(transport, writer.chunked)
         first = upstream.take_pending()

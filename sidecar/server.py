@@ -116,10 +116,10 @@ class Servers:
                  time.monotonic() - started, finished, cancelled)
 
 
-async def take_in_arrivals(server: DownstreamServer) -> int:
+async def take_in_arrivals(server: DownstreamServer) -> None:
     """Turn the event loop until :data:`STOP_QUIET_TURNS` turns in a row accepted no
     connection and read no request (at most :data:`STOP_SETTLE_S` seconds, taken from the
-    grace period); returns the turns. Under steady traffic it runs the whole
+    grace period). Under steady traffic it runs the whole
     :data:`STOP_SETTLE_S`, and connections arriving meanwhile are still accepted and served.
 
     What the kernel held when a stop began becomes requests in progress, which the drain waits
@@ -132,14 +132,12 @@ async def take_in_arrivals(server: DownstreamServer) -> int:
     """
     deadline = time.monotonic() + STOP_SETTLE_S
     seen = (server.accepted, server.requests_count)
-    quiet = turns = 0
+    quiet = 0
     while quiet < STOP_QUIET_TURNS and time.monotonic() < deadline:
         await asyncio.sleep(0)
-        turns += 1
         now = (server.accepted, server.requests_count)
         quiet = quiet + 1 if now == seen else 0
         seen = now
-    return turns
 
 
 def tune_gc() -> None:

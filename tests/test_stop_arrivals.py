@@ -16,6 +16,7 @@ import socket
 import pytest
 
 from sidecar.server import Servers
+from tests import rawhttp
 from tests.fake_engine import FakeEngine
 
 pytestmark = pytest.mark.timeout(30)
@@ -52,21 +53,16 @@ async def test_a_request_in_the_accept_queue_when_the_stop_begins_is_served(
 
 async def test_a_kept_alive_connections_unread_request_when_the_stop_begins_is_served(
         engine: FakeEngine, sidecar: Servers) -> None:
-    reader, writer = await asyncio.open_connection("127.0.0.1", sidecar.proxy_port)
-    try:
+    async with rawhttp.connect(sidecar.proxy_port) as (reader, writer):
         writer.write(REQUEST.replace(b"Connection: close", b"Connection: keep-alive"))
-        head = await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), 10)
-        assert head.startswith(b"HTTP/1.1 200 "), head
-        length = int(next(line.split(b":")[1] for line in head.split(b"\r\n")
-                          if line.lower().startswith(b"content-length:")))
-        await asyncio.wait_for(reader.readexactly(length), 10)
+        first = await asyncio.wait_for(
+            rawhttp.read_body(reader, await rawhttp.read_head(reader)), 10)
+        assert (first.status, first.ending) == (200, "complete"), first
         # The connection is idle, kept alive; the next request is written and, without a
         # loop turn in between, the stop begins.
         writer.write(REQUEST)
         await sidecar.stop(grace_s=5.0)
         answer = await asyncio.wait_for(reader.read(-1), 10)
-    finally:
-        writer.close()
     assert answer.startswith(b"HTTP/1.1 200 "), (
         f"expected the second request, unread when the stop began, answered 200, got "
         f"{answer[:80]!r}")
