@@ -30,8 +30,8 @@ from tests.e2e.measure import MetricsSampler
 from tests.e2e.sidecar_process import SidecarProcess
 from tests.e2e.test_vllm_e2e import (  # model_dir and sampler: the same fixtures
     DIRECT_WATCH_S,
+    STILL_GENERATING_TOKENS,
     model_dir,
-    rate_before,
     running_engine,
     running_sidecar,
     sampler,
@@ -93,7 +93,11 @@ async def test_a_client_that_leaves_gets_one_refused_abort_and_the_engine_goes_o
         sidecar: SidecarProcess, model_dir: Path, sampler: MetricsSampler) -> None:
     refused_before = sidecar_counter(sidecar, "cancel_sidecar_abort_calls_total",
                                      outcome="http_403")
-    client = await start_generating(sidecar.base_url, model_dir, "chat stream", sampler)
+    # A rerun finds the refused requests of the earlier attempts still running, as they should:
+    # nothing here can stop them. They are counted, and this attempt's request comes on top.
+    others = int(sampler.read_once().running)
+    client = await start_generating(sidecar.base_url, model_dir, "chat stream", sampler,
+                                    others=others)
     t0 = await client.disconnect("abort")
     deadline = time.monotonic() + ANSWER_S
     while sidecar_counter(sidecar, "cancel_sidecar_abort_calls_total",
@@ -107,15 +111,14 @@ async def test_a_client_that_leaves_gets_one_refused_abort_and_the_engine_goes_o
     late = [s for s in sampler.snapshot() if s.t > t0 + 0.2]
     print(f"\n[no scale-out] abort refused (403); {report.tokens_after} tokens generated in the "
           f"{DIRECT_WATCH_S}s after the client left")
-    assert all(s.running == 1 for s in late), (
-        f"expected vLLM to keep the request running (the abort was refused); {late[-3:]}")
-    # Relative to the engine's own speed: the CI box's vLLM made 14 tokens in this window (a
-    # fixed 20 failed there, and its reruns then found the refused requests still running). A
-    # stopped request makes 0-1.
-    rate = rate_before(sampler, t0)
-    assert report.tokens_after >= max(5.0, 0.5 * rate * DIRECT_WATCH_S), (
-        f"expected generation to go on at no less than half its rate before the disconnect "
-        f"({rate:.1f} tokens/s), got {report}")
+    assert all(s.running == others + 1 for s in late), (
+        f"expected vLLM to keep the request running (the abort was refused) on top of "
+        f"{others} already running; {late[-3:]}")
+    # Not a rate: the rate over the 0.5 s before the disconnect (the request's first tokens, a
+    # few /metrics samples) is too noisy on a shared box to bound the window after it.
+    assert report.tokens_after >= STILL_GENERATING_TOKENS, (
+        f"expected generation to go on ({STILL_GENERATING_TOKENS}+ tokens in the window), "
+        f"got {report}")
     refused = sidecar_counter(sidecar, "cancel_sidecar_abort_calls_total", outcome="http_403")
     ok = sidecar_counter(sidecar, "cancel_sidecar_abort_calls_total", outcome="accepted")
     assert (refused, ok) == (refused_before + 1, 0), (
