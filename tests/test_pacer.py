@@ -1,5 +1,6 @@
-"""The pacing of what follows lost connections (:class:`sidecar.downstream.TeardownPacer`), turn
-by turn, on a real uvloop event loop.
+"""The pacing of what follows lost connections (:class:`sidecar.downstream.TeardownPacer`), and
+of the engines' reads held meanwhile (:class:`sidecar.relay.ReadPacer`), turn by turn, on a
+real uvloop event loop.
 
 A turn right after one in which connections were lost (clients still leaving) is busy: it runs
 at most ``follow_ups_per_busy_turn`` follow-ups (the engine-side shutdowns) and
@@ -14,6 +15,7 @@ import asyncio
 from typing import Any, cast
 
 from sidecar.downstream import DownstreamHandler, TeardownPacer
+from sidecar.relay import HOLD_S, ReadPacer, UpstreamConnection
 
 
 class Handler:
@@ -102,3 +104,61 @@ async def test_a_failing_follow_up_does_not_stop_the_others() -> None:
     pacer.follow_up(lambda: done.append("after"))
     await one_turn()
     assert done == ["after"], f"expected the next follow-up to run, got {done}"
+
+
+# --- the engines' reads held while clients leave (sidecar.relay.ReadPacer) ----------------------
+
+class HeldReads:
+    """Stands for an :class:`UpstreamConnection` with reads held: records their relay."""
+
+    def __init__(self, name: str, done: list[str]) -> None:
+        self.name = name
+        self.done = done
+
+    def relay_held(self) -> None:
+        self.done.append(self.name)
+
+
+def held(reads: ReadPacer, count: int, done: list[str], tag: str) -> None:
+    for i in range(count):
+        reads.wait(cast(UpstreamConnection, HeldReads(f"{tag}-{i}", done)))
+
+
+async def test_reads_wait_two_per_busy_turn_then_sixteen_per_quiet_turn() -> None:
+    reads = ReadPacer()
+    done: list[str] = []
+    reads.hold()  # a client left: this turn is busy
+    held(reads, 40, done, "a")
+    seen = []
+    for _ in range(5):
+        before = len(done)
+        await one_turn()
+        seen.append(len(done) - before)
+    assert seen == [2, 16, 16, 6, 0], (
+        f"expected a busy turn (2 connections' reads), then quiet ones (16), got {seen}")
+    assert done == [f"a-{i}" for i in range(40)], f"expected oldest first, got {done}"
+
+
+async def test_while_clients_keep_leaving_reads_wait_two_per_turn() -> None:
+    reads = ReadPacer()
+    done: list[str] = []
+    held(reads, 30, done, "a")
+    seen = []
+    for _ in range(5):
+        reads.hold()  # another client leaves before each turn
+        before = len(done)
+        await one_turn()
+        seen.append(len(done) - before)
+    assert seen == [2] * 5, f"expected 2 per turn while clients keep leaving, got {seen}"
+
+
+async def test_holding_ends_hold_s_after_the_last_client_left() -> None:
+    reads = ReadPacer()
+    assert not reads.holding
+    reads.hold()
+    await asyncio.sleep(HOLD_S / 2)
+    reads.hold()  # another client: the hold runs HOLD_S from this one
+    await asyncio.sleep(HOLD_S * 0.75)
+    assert reads.holding, "expected reads still held within HOLD_S of the last hold"
+    await asyncio.sleep(HOLD_S + 0.005)  # uvloop's timers count milliseconds
+    assert not reads.holding, "expected the hold over HOLD_S after the last client left"

@@ -1,0 +1,166 @@
+"""Engine reads held while clients leave (:class:`sidecar.relay.ReadPacer`), on real sockets.
+
+While a client that left has its abort queued, the pool's reads are held and relayed a few per
+loop turn, so that the next lost connections' aborts are queued first. What must not change:
+every byte relayed, in order; an engine that closes right after its last bytes (a response
+delimited by the close) still ends whole, its held bytes relayed before the close is handled.
+A task re-arms the hold in every loop turn, as a storm's stream of lost connections does, so
+that every read of the test arrives while reads are held, whatever the machine's speed.
+
+The engine is a raw asyncio server that writes what each test scripts; each client is a raw
+socket the relay writes to (:class:`sidecar.relay.Downstream`). ``STREAMS`` requests run at
+once, more than a busy turn relays (``ReadPacer.per_busy_turn``), so that reads wait turns.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from collections.abc import AsyncIterator
+
+import pytest
+
+from sidecar.config import UpstreamSettings
+from sidecar.relay import HOLD_S, Downstream, UpstreamPool, origin
+
+pytestmark = pytest.mark.timeout(30)
+
+GUARD_S = 10.0
+STREAMS = 8
+HEAD = b"GET /stream HTTP/1.1\r\nHost: engine\r\n\r\n"
+
+
+class Engine:
+    """Answers each connection's request with ``writes``, one write per item, a few
+    milliseconds apart (so that each is a read of its own at the relay); if ``close``, the
+    last item goes out with the close, so that both arrive in the same loop turn."""
+
+    def __init__(self, writes: list[bytes], close: bool) -> None:
+        self.writes = writes
+        self.close = close
+        self.server: asyncio.Server | None = None
+        self.url = ""
+
+    async def start(self) -> None:
+        self.server = await asyncio.start_server(self._serve, "127.0.0.1", 0)
+        self.url = f"http://127.0.0.1:{self.server.sockets[0].getsockname()[1]}"
+
+    async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        await reader.readuntil(b"\r\n\r\n")
+        for data in self.writes[:-1]:
+            writer.write(data)
+            await writer.drain()
+            await asyncio.sleep(0.002)
+        writer.write(self.writes[-1])
+        if not self.close:
+            await reader.read()  # until the relay closes
+        writer.close()
+
+
+class Client:
+    """A client's end: a local server whose accepted socket collects what the relay writes;
+    ``transport`` is the relay's side of it."""
+
+    def __init__(self) -> None:
+        self.received = bytearray()
+        self.ended = asyncio.Event()  # the relay's side closed and every byte was read
+        self.transport: asyncio.Transport | None = None
+        self.server: asyncio.Server | None = None
+
+    async def start(self) -> None:
+        async def collect(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+            while data := await reader.read(65536):
+                self.received += data
+            self.ended.set()
+            writer.close()
+        self.server = await asyncio.start_server(collect, "127.0.0.1", 0)
+        port = self.server.sockets[0].getsockname()[1]
+        self.transport, _ = await asyncio.get_running_loop().create_connection(
+            asyncio.Protocol, "127.0.0.1", port)
+
+    async def stop(self) -> None:
+        if self.transport is not None:
+            self.transport.close()
+        if self.server is not None:
+            self.server.close()
+            await self.server.wait_closed()
+
+
+@contextlib.asynccontextmanager
+async def holding(pool: UpstreamPool) -> AsyncIterator[None]:
+    """Re-arm the pool's hold in every loop turn, as a storm's lost connections do (every turn
+    busy: ``per_busy_turn`` connections' reads relayed per turn); on the way out, wait for the
+    hold to end (``HOLD_S`` after the last)."""
+    async def keep() -> None:
+        while True:
+            pool.reads.hold()
+            await asyncio.sleep(0)
+    task = asyncio.create_task(keep())
+    try:
+        yield
+    finally:
+        task.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await task
+        await asyncio.sleep(2 * HOLD_S)
+
+
+async def relay_one(pool: UpstreamPool, url: str, client: Client) -> bytes:
+    """One request relayed to ``client``: the bytes the client got, once the relay closed."""
+    connection = await pool.connection(origin(url))
+    response = connection.send(HEAD, [], head_only=False)
+    await response.head
+    assert client.transport is not None
+    await response.relay(Downstream(client.transport, chunked=False), read_timeout_s=None)
+    assert response.complete, "expected the response read to its end"
+    client.transport.close()
+    await client.ended.wait()
+    return bytes(client.received)
+
+
+async def relay_through(writes: list[bytes], close: bool) -> tuple[list[bytes], UpstreamPool]:
+    """``STREAMS`` requests relayed at once while reads are held: what each client got, and
+    the pool."""
+    engine, clients = Engine(writes, close), [Client() for _ in range(STREAMS)]
+    await engine.start()
+    for client in clients:
+        await client.start()
+    pool = UpstreamPool(UpstreamSettings())
+    try:
+        async with holding(pool), asyncio.timeout(GUARD_S):
+            bodies = await asyncio.gather(*(relay_one(pool, engine.url, c) for c in clients))
+    finally:
+        await pool.close()
+        for client in clients:
+            await client.stop()
+        assert engine.server is not None
+        engine.server.close()
+        await engine.server.wait_closed()
+    assert not pool.reads.holding
+    return bodies, pool
+
+
+def chunked(pieces: list[bytes]) -> list[bytes]:
+    return [b"%x\r\n%b\r\n" % (len(p), p) for p in pieces] + [b"0\r\n\r\n"]
+
+
+async def test_held_reads_are_relayed_whole_and_in_order() -> None:
+    events = [b"data: {\"i\":%d,\"text\":\"t%d\"}\n\n" % (i, i) for i in range(40)]
+    head = (b"HTTP/1.1 200 OK\r\nContent-Type: text/event-stream\r\n"
+            b"Transfer-Encoding: chunked\r\n\r\n")
+    bodies, pool = await relay_through([head, *chunked(events)], close=False)
+    for body in bodies:
+        assert body == b"".join(events), f"expected the 40 events unchanged, got {body!r}"
+    assert pool.reads.held_reads >= 20 * STREAMS, (
+        f"expected the reads held (the test's premise), {pool.reads.held_reads}")
+
+
+async def test_an_engine_closing_after_its_last_held_bytes_ends_the_response_whole() -> None:
+    # Delimited by the close (no length, not chunked): the close is the end, and the bytes that
+    # came with it, held, must be relayed before the close is handled.
+    pieces = [b"piece %d;" % i for i in range(30)]
+    head = b"HTTP/1.1 200 OK\r\nContent-Type: text/plain\r\nConnection: close\r\n\r\n"
+    bodies, pool = await relay_through([head, *pieces], close=True)
+    for body in bodies:
+        assert body == b"".join(pieces), f"expected every piece before the close, got {body!r}"
+    assert pool.reads.held_reads >= 15 * STREAMS
