@@ -102,12 +102,15 @@ def downstream_response_headers(headers: CIMultiDictProxy[str]) -> CIMultiDict[s
 _FORBIDDEN_HEADER_CHARS = re.compile(r"[\x00-\x08\x0a-\x1f\x7f]")
 
 
-def has_forbidden_characters(headers: CIMultiDictProxy[str]) -> bool:
-    """True if a header name or value holds a character aiohttp cannot send downstream: such an
-    upstream response is malformed (relaying it raised in ``prepare`` and mis-framed the
-    client's error response)."""
-    return any(_FORBIDDEN_HEADER_CHARS.search(name) or _FORBIDDEN_HEADER_CHARS.search(value)
-               for name, value in headers.items())
+def has_forbidden_characters(headers: CIMultiDictProxy[str], reason: str = "") -> bool:
+    """True if a header name or value, or the ``reason`` phrase, holds a character aiohttp
+    cannot send downstream: such an upstream response is malformed (relaying it raised in
+    ``prepare``, or for a line feed in the reason in ``StreamResponse``, and the client got a
+    500 as for a sidecar bug). RFC 9112 section 4: reason-phrase = 1*( HTAB / SP / VCHAR /
+    obs-text )."""
+    return bool(_FORBIDDEN_HEADER_CHARS.search(reason)) or any(
+        _FORBIDDEN_HEADER_CHARS.search(name) or _FORBIDDEN_HEADER_CHARS.search(value)
+        for name, value in headers.items())
 
 
 def _append(headers: CIMultiDict[str], name: str, value: str) -> None:

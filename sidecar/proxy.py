@@ -224,9 +224,10 @@ class Exchange:
         if not self.target.wants_body(request.method, request.path):
             self.body.drop_copy()
 
-        if has_forbidden_characters(upstream.headers):
+        if has_forbidden_characters(upstream.headers, upstream.reason):
             return self._fail(UpstreamProtocolError(
-                f"{engine.base_url} sent a response header with a control character"))
+                f"{engine.base_url} sent a response head (a header or the reason phrase) with "
+                f"a control character"))
         response = self.response = RelayedResponse(
             status=upstream.status, reason=upstream.reason,
             headers=downstream_response_headers(upstream.headers))

@@ -301,6 +301,25 @@ async def test_a_head_that_never_ends_is_refused_at_the_limit(
         f"{resp.body[:200]!r}")
 
 
+@pytest.mark.parametrize("head", [
+    pytest.param(b"HTTP/1.1 200 OK\r\nX-Bad: a\x01b\r\nContent-Length: 2\r\n\r\nhi",
+                 id="header"),
+    pytest.param(b"HTTP/1.1 200 O\x01K\r\nContent-Length: 2\r\n\r\nhi", id="reason"),
+    pytest.param(b"HTTP/1.1 200 O\x7fK\r\nContent-Length: 2\r\n\r\nhi", id="reason-del"),
+])
+async def test_a_control_character_in_the_head_is_a_502(
+        head: bytes, start_sidecar: StartSidecar) -> None:
+    """A header or a reason phrase that aiohttp cannot write downstream: the engine's response
+    is malformed, so 502 ``upstream_protocol_error`` (JSON), not aiohttp's 500 for a sidecar
+    bug (which the reason phrase got before)."""
+    async with scripted(replies(head)) as engine:
+        servers = await start(start_sidecar, engine)
+        async with asyncio.timeout(GUARD_S):
+            resp = await rawhttp.exchange(servers.proxy_port, get("/bad-head"))
+    assert resp.status == 502 and b"upstream_protocol_error" in resp.body, (
+        f"expected a 502 upstream_protocol_error, got {resp.status} {resp.body[:200]!r}")
+
+
 # --- max_connections: a waiter takes the connection that was released ---------------------------
 
 async def test_max_connections_one_uses_one_engine_connection(
