@@ -400,15 +400,13 @@ class UpstreamConnection(asyncio.Protocol):
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         self.transport = cast(asyncio.Transport, transport)  # uvloop's is no subclass of it
 
-    def data_received(self, data: bytes) -> None:
-        held = self._held
-        if held is None and not self.pool.reads.holding:
-            self._relay(data)
-            return
-        if self.response is not None:
-            self.response.reading_since = self.loop.time()
+    def _hold(self, data: bytes) -> None:
+        response = self.response
+        if response is not None:
+            response.reading_since = self.loop.time()
         reads = self.pool.reads
         reads.held_reads += 1
+        held = self._held
         if held is None:
             held = self._held = []
             reads.wait(self)
@@ -422,9 +420,17 @@ class UpstreamConnection(asyncio.Protocol):
         held, self._held = self._held, None
         self.held_bytes = 0
         if held:
-            self._relay(b"".join(held))
+            self.data_received(b"".join(held), held_back=True)
 
-    def _relay(self, data: bytes) -> None:
+    def data_received(self, data: bytes, held_back: bool = False) -> None:
+        """An engine read: relayed now, or held while clients leave (:class:`ReadPacer`);
+        ``held_back``: reads that were held, relayed now (:meth:`relay_held`)."""
+        # Bytes on an idle connection are never held: it is closed at once, before the pool can
+        # hand it to the next request (which would get them as its response).
+        if not held_back and (self._held is not None or (
+                self.pool.reads.holding and self.response is not None)):
+            self._hold(data)
+            return
         response = self.response
         if response is None:  # bytes nobody asked for: the framing is lost
             self.close()

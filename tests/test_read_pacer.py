@@ -164,3 +164,43 @@ async def test_an_engine_closing_after_its_last_held_bytes_ends_the_response_who
     for body in bodies:
         assert body == b"".join(pieces), f"expected every piece before the close, got {body!r}"
     assert pool.reads.held_reads >= 15 * STREAMS
+
+
+async def test_bytes_on_an_idle_connection_are_never_held_for_the_next_request() -> None:
+    """Bytes an engine sends on an idle pooled connection (no request in flight) close it at
+    once, holding or not: held, they would wait for the pacer's turn while the pool hands the
+    connection to the next request, which would read them as its response."""
+    stale_sent = asyncio.Event()
+
+    async def serve(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        await reader.readuntil(b"\r\n\r\n")
+        writer.write(b"HTTP/1.1 200 OK\r\nContent-Length: 3\r\n\r\none")
+        await stale_sent.wait()
+        writer.write(b"HTTP/1.1 200 OK\r\nContent-Length: 5\r\n\r\nstale")
+        await reader.read()
+        writer.close()
+
+    engine = await asyncio.start_server(serve, "127.0.0.1", 0)
+    where = origin(f"http://127.0.0.1:{engine.sockets[0].getsockname()[1]}")
+    pool = UpstreamPool(UpstreamSettings())
+    try:
+        async with asyncio.timeout(GUARD_S):
+            connection = await pool.connection(where)
+            first = connection.send(HEAD, [], head_only=False)
+            await first.head
+            assert first.complete and first.take_pending() == b"one"
+            assert connection.idle, "expected the connection pooled after its response"
+            pool.reads.hold()  # a client left: reads are held now
+            stale_sent.set()
+            while connection.open and connection.held_bytes == 0:  # noqa: ASYNC110 - per turn
+                await asyncio.sleep(0)  # ahead of the pacer's turn, had the bytes been held
+            assert not connection.open and connection.held_bytes == 0, (
+                "expected the idle connection closed by its unsolicited bytes, not holding them")
+            again = await pool.connection(where, fresh=False)
+            assert again is not connection, "expected the next request on a new connection"
+            again.close()
+    finally:
+        await pool.close()
+        engine.close()
+        await engine.wait_closed()
+        await asyncio.sleep(2 * HOLD_S)
