@@ -35,6 +35,7 @@ header field over ``MAX_HEADER_BYTES``), :class:`UpstreamReadTimeout` (no body b
 from __future__ import annotations
 
 import asyncio
+import logging
 import socket
 import ssl
 from collections import deque
@@ -62,6 +63,8 @@ MAX_HEAD_BYTES = 4 * MAX_HEADER_BYTES
 SSE_DONE = b"data: [DONE]\n\n"
 # Interim statuses llhttp ends without a body (100 Continue, 102 Processing, 103 Early Hints)
 _INTERIM = frozenset({100, 102, 103})
+log = logging.getLogger(__name__)
+
 _CLOCK_RESOLUTION_S = 0.001  # uvloop's clock and timers count milliseconds
 HOLD_S = 0.01  # reads are held this long after a client left with its abort queued (ReadPacer)
 MAX_HELD_BYTES = 65536  # a connection's held reads are relayed at once beyond this
@@ -357,25 +360,52 @@ class ReadPacer:
             self._timer = loop.call_at(self.until, self._expire)
 
     def wait(self, connection: UpstreamConnection) -> None:
-        """``connection`` has reads held: relay them in a coming turn."""
+        """``connection`` has reads held: relay them in a coming turn (once in line)."""
+        if connection.queued:
+            return
+        connection.queued = True
         self._waiting.append(connection)
         if self._handle is None:
             self._handle = asyncio.get_running_loop().call_soon(self._turn)
 
     def _expire(self) -> None:
         loop = asyncio.get_running_loop()
-        if loop.time() < self.until:
+        # Within half a clock tick of the end counts as the end: a re-arm rounded to 0 ms
+        # would turn the loop without sleeping until the tick.
+        if loop.time() + _CLOCK_RESOLUTION_S / 2 < self.until:
             self._timer = loop.call_at(self.until, self._expire)
         else:
             self._timer = None
             self.holding = self.busy = False
 
+    def close(self) -> None:
+        """The pool closed every connection (their held bytes are dropped): stop holding."""
+        for timer in (self._timer, self._handle):
+            if timer is not None:
+                timer.cancel()
+        self._timer = self._handle = None
+        self._waiting.clear()
+        self.holding = self.busy = False
+
     def _turn(self) -> None:
+        self._handle = None
         busy, self.busy = self.busy, False
         waiting = self._waiting
-        for _ in range(min(self.per_busy_turn if busy else self.per_turn, len(waiting))):
-            waiting.popleft().relay_held()
-        self._handle = (asyncio.get_running_loop().call_soon(self._turn) if waiting else None)
+        budget = self.per_busy_turn if busy else self.per_turn
+        while waiting and budget > 0:
+            connection = waiting.popleft()
+            connection.queued = False
+            try:
+                relayed = connection.relay_held()
+            except Exception:
+                # A sidecar bug: that response is given up; the others go on.
+                log.exception("relaying held engine reads failed; closing that connection")
+                connection.close()
+                relayed = True
+            if relayed:  # a connection with nothing held (closed meanwhile) costs nothing
+                budget -= 1
+        if waiting and self._handle is None:
+            self._handle = asyncio.get_running_loop().call_soon(self._turn)
 
 
 class UpstreamConnection(asyncio.Protocol):
@@ -395,6 +425,7 @@ class UpstreamConnection(asyncio.Protocol):
         self._ended = False  # retire() or end() was called: nothing more is written or pooled
         self._held: list[bytes] | None = None  # reads kept while clients leave (ReadPacer)
         self.held_bytes = 0  # their size: at most MAX_HELD_BYTES plus one read
+        self.queued = False  # in the ReadPacer's line
 
     # asyncio.Protocol
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
@@ -409,18 +440,21 @@ class UpstreamConnection(asyncio.Protocol):
         held = self._held
         if held is None:
             held = self._held = []
-            reads.wait(self)
+            reads.wait(self)  # once in line, also after a relay beyond MAX_HELD_BYTES
         held.append(data)
         self.held_bytes += len(data)
         if self.held_bytes > MAX_HELD_BYTES:
             self.relay_held()
 
-    def relay_held(self) -> None:
-        """Relay the reads :class:`ReadPacer` held, as one piece (none if they were dropped)."""
+    def relay_held(self) -> bool:
+        """Relay the reads :class:`ReadPacer` held, as one piece; False if none were held (or
+        they were dropped)."""
         held, self._held = self._held, None
         self.held_bytes = 0
-        if held:
-            self.data_received(b"".join(held), held_back=True)
+        if not held:
+            return False
+        self.data_received(b"".join(held), held_back=True)
+        return True
 
     def data_received(self, data: bytes, held_back: bool = False) -> None:
         """An engine read: relayed now, or held while clients leave (:class:`ReadPacer`);
@@ -717,6 +751,7 @@ class UpstreamPool:
             connection.idle = False
             connection.close()
         self._idle.clear()
+        self.reads.close()
         await self.tasks.drain(0)
 
 

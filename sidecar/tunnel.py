@@ -80,7 +80,12 @@ from sidecar.errors import (
     UpstreamProtocolError,
     UpstreamReadTimeout,
 )
-from sidecar.headers import downstream_response_headers, is_upgrade, upgrade_request_headers
+from sidecar.headers import (
+    downstream_response_headers,
+    has_forbidden_characters,
+    is_upgrade,
+    upgrade_request_headers,
+)
 from sidecar.logs import RequestLog
 from sidecar.metrics import Metrics
 from sidecar.route import RouteTarget
@@ -421,6 +426,11 @@ class Tunnel:
                 f"no response from {url} within {settings.first_byte_timeout_s}s") from exc
         self.metrics.upstream_ttfb.labels(self.target.engine.name).observe(
             time.monotonic() - started)
+        if not answer and has_forbidden_characters(CIMultiDictProxy(engine.headers),
+                                                   engine.reason):
+            # A refusal aiohttp could not write downstream (a 500 from prepare otherwise).
+            raise UpstreamProtocolError(f"{url} refused the upgrade with a head (a header or "
+                                        f"the reason phrase) holding a control character")
         return answer
 
     def _fail(self, exc: UpstreamError) -> web.Response:

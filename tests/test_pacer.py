@@ -109,14 +109,23 @@ async def test_a_failing_follow_up_does_not_stop_the_others() -> None:
 # --- the engines' reads held while clients leave (sidecar.relay.ReadPacer) ----------------------
 
 class HeldReads:
-    """Stands for an :class:`UpstreamConnection` with reads held: records their relay."""
+    """Stands for an :class:`UpstreamConnection` with reads held: records their relay (or
+    raises, if ``broken``) and its close."""
 
-    def __init__(self, name: str, done: list[str]) -> None:
+    def __init__(self, name: str, done: list[str], broken: bool = False) -> None:
         self.name = name
         self.done = done
+        self.broken = broken
+        self.queued = False
 
-    def relay_held(self) -> None:
+    def relay_held(self) -> bool:
+        if self.broken:
+            raise RuntimeError("a sidecar bug")
         self.done.append(self.name)
+        return True
+
+    def close(self) -> None:
+        self.done.append(f"{self.name} closed")
 
 
 def held(reads: ReadPacer, count: int, done: list[str], tag: str) -> None:
@@ -155,10 +164,27 @@ async def test_while_clients_keep_leaving_reads_wait_two_per_turn() -> None:
 async def test_holding_ends_hold_s_after_the_last_client_left() -> None:
     reads = ReadPacer()
     assert not reads.holding
+    loop = asyncio.get_running_loop()
     reads.hold()
-    await asyncio.sleep(HOLD_S / 2)
+    first = loop.time()
+    await asyncio.sleep(HOLD_S * 0.8)
     reads.hold()  # another client: the hold runs HOLD_S from this one
-    await asyncio.sleep(HOLD_S * 0.75)
-    assert reads.holding, "expected reads still held within HOLD_S of the last hold"
+    await asyncio.sleep(HOLD_S * 0.4)  # past the first hold's end, within the second's
+    if loop.time() < reads.until - 0.002:  # a stalled loop cannot tell; only then checked
+        assert loop.time() > first + HOLD_S and reads.holding, (
+            "expected reads still held within HOLD_S of the last hold, past the first's")
     await asyncio.sleep(HOLD_S + 0.005)  # uvloop's timers count milliseconds
     assert not reads.holding, "expected the hold over HOLD_S after the last client left"
+
+
+async def test_a_failing_relay_closes_its_connection_and_the_others_go_on() -> None:
+    reads = ReadPacer()
+    done: list[str] = []
+    reads.wait(cast(UpstreamConnection, HeldReads("broken", done, broken=True)))
+    held(reads, 3, done, "a")
+    await one_turn()
+    assert done == ["broken closed", "a-0", "a-1", "a-2"], (
+        f"expected the broken one closed and the others relayed in the same turn, got {done}")
+    held(reads, 1, done, "b")
+    await one_turn()
+    assert done[-1] == "b-0", f"expected the pacer to go on turning, got {done}"

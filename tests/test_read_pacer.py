@@ -118,14 +118,16 @@ async def relay_one(pool: UpstreamPool, url: str, client: Client) -> bytes:
     return bytes(client.received)
 
 
-async def relay_through(writes: list[bytes], close: bool) -> tuple[list[bytes], UpstreamPool]:
-    """``STREAMS`` requests relayed at once while reads are held: what each client got, and
-    the pool."""
+async def relay_through(writes: list[bytes], close: bool, per_busy_turn: int = 2
+                        ) -> tuple[list[bytes], UpstreamPool]:
+    """``STREAMS`` requests relayed at once while reads are held (``per_busy_turn``
+    connections' reads relayed per turn): what each client got, and the pool."""
     engine, clients = Engine(writes, close), [Client() for _ in range(STREAMS)]
     await engine.start()
     for client in clients:
         await client.start()
     pool = UpstreamPool(UpstreamSettings())
+    pool.reads.per_busy_turn = per_busy_turn
     try:
         async with holding(pool), asyncio.timeout(GUARD_S):
             bodies = await asyncio.gather(*(relay_one(pool, engine.url, c) for c in clients))
@@ -157,10 +159,11 @@ async def test_held_reads_are_relayed_whole_and_in_order() -> None:
 
 async def test_an_engine_closing_after_its_last_held_bytes_ends_the_response_whole() -> None:
     # Delimited by the close (no length, not chunked): the close is the end, and the bytes that
-    # came with it, held, must be relayed before the close is handled.
+    # came with it, held, must be relayed before the close is handled. No turn relays held
+    # reads here (every turn is busy, 0 per busy turn): the close is what relays them all.
     pieces = [b"piece %d;" % i for i in range(30)]
     head = b"HTTP/1.1 200 OK\r\nContent-Type: text/plain\r\nConnection: close\r\n\r\n"
-    bodies, pool = await relay_through([head, *pieces], close=True)
+    bodies, pool = await relay_through([head, *pieces], close=True, per_busy_turn=0)
     for body in bodies:
         assert body == b"".join(pieces), f"expected every piece before the close, got {body!r}"
     assert pool.reads.held_reads >= 15 * STREAMS

@@ -482,6 +482,9 @@ async def test_access_line_of_a_tunnel(raw_engine: RawEngine,
     pytest.param(b"HTTP/1.1 101 Switching Protocols\r\nX-Big: " + b"a" * 70_000 + b"\r\n\r\n",
                  id="head_over_64KiB"),
     pytest.param(b"HTTP/1.1 101 Swi", id="closed_mid_head"),
+    # A refusal whose reason phrase aiohttp cannot write (llhttp accepts it): 500 before.
+    pytest.param(b"HTTP/1.1 426 Upgrade R\x01equired\r\nContent-Length: 0\r\n\r\n",
+                 id="refusal_reason_control_character"),
 ])
 async def test_malformed_engine_head_gives_502(start_sidecar: Callable[..., Any],
                                                answer: bytes) -> None:
