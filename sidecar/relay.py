@@ -58,13 +58,13 @@ from sidecar.errors import (
 )
 from sidecar.tasks import TaskSet
 
+log = logging.getLogger(__name__)
+
 MAX_HEADER_BYTES = 65536  # one header field (request or response; aiohttp's default: 8190)
 MAX_HEAD_BYTES = 4 * MAX_HEADER_BYTES
 SSE_DONE = b"data: [DONE]\n\n"
 # Interim statuses llhttp ends without a body (100 Continue, 102 Processing, 103 Early Hints)
 _INTERIM = frozenset({100, 102, 103})
-log = logging.getLogger(__name__)
-
 _CLOCK_RESOLUTION_S = 0.001  # uvloop's clock and timers count milliseconds
 HOLD_S = 0.01  # reads are held this long after a client left with its abort queued (ReadPacer)
 MAX_HELD_BYTES = 65536  # a connection's held reads are relayed at once beyond this
