@@ -95,7 +95,7 @@ async def holding(pool: UpstreamPool) -> AsyncIterator[None]:
         while True:
             pool.reads.hold()
             await asyncio.sleep(0)
-    task = asyncio.create_task(keep())
+    task = asyncio.create_task(keep(), name="a client leaves every turn")
     try:
         yield
     finally:
