@@ -2,10 +2,12 @@
 of the engines' reads held meanwhile (:class:`sidecar.relay.ReadPacer`), turn by turn, on a
 real uvloop event loop.
 
-A turn right after one in which connections were lost (clients still leaving) is busy: it runs
-at most ``follow_ups_per_busy_turn`` follow-ups (the engine-side shutdowns) and
-``per_busy_turn`` teardowns, so that the aborts of the disconnects still arriving go first. A
-quiet turn runs every follow-up waiting and up to ``per_turn`` teardowns. The end to end effect
+A turn right after one in which connections were lost, or within ``hold_s`` of the last loss
+(clients still leaving), is busy: it runs at most ``follow_ups_per_busy_turn`` follow-ups (the
+engine-side shutdowns) and ``per_busy_turn`` teardowns, so that the aborts of the disconnects
+still arriving go first. A quiet turn runs every follow-up waiting and up to ``per_turn``
+teardowns. The turn-by-turn tests set ``hold_s=0`` (busy only in the turn after a loss); the
+hold is tested on its own. The end to end effect
 (abort latency in a storm) is measured by ``python -m bench``; these tests pin the policy.
 """
 
@@ -46,7 +48,7 @@ def counts(done: list[str], since: int) -> tuple[int, int]:
 
 
 async def test_after_a_burst_one_busy_turn_then_quiet_ones() -> None:
-    pacer = TeardownPacer()
+    pacer = TeardownPacer(hold_s=0)
     done: list[str] = []
     lose(pacer, 40, done, "a")
     seen: list[tuple[int, int]] = []
@@ -65,7 +67,7 @@ async def test_after_a_burst_one_busy_turn_then_quiet_ones() -> None:
 
 
 async def test_while_clients_keep_leaving_every_turn_is_busy() -> None:
-    pacer = TeardownPacer()
+    pacer = TeardownPacer(hold_s=0)
     done: list[str] = []
     seen: list[tuple[int, int]] = []
     for turn in range(6):
@@ -80,6 +82,37 @@ async def test_while_clients_keep_leaving_every_turn_is_busy() -> None:
     await one_turn()
     assert counts(done, before) == (60 - 24, 16), (
         f"expected the first quiet turn to run every shutdown left and 16 teardowns, got "
+        f"{counts(done, before)}")
+
+
+async def test_turns_stay_busy_for_hold_s_after_the_last_loss() -> None:
+    """A storm's resets come in bursts, one per poll of the sockets: a turn between two bursts
+    stays busy for ``hold_s`` after the last loss (4 follow-ups at most, not all), then turns
+    are quiet (every follow-up)."""
+    pacer = TeardownPacer()
+    assert pacer.hold_s == HOLD_S, "expected the teardowns held as long as the engines' reads"
+    loop = asyncio.get_running_loop()
+    done: list[str] = []
+    lose(pacer, 2, done, "a")
+    lost_at = loop.time()
+    await one_turn()
+    await one_turn()
+    assert counts(done, 0) == (2, 2), f"expected both lost connections handled, got {done}"
+    for i in range(10):  # follow-ups alone: no client left in the turn before
+        pacer.follow_up(lambda i=i: done.append(f"b-end-{i}"))
+    before = len(done)
+    await one_turn()
+    if loop.time() - lost_at < HOLD_S:  # else the loop stalled past the hold: nothing to judge
+        assert counts(done, before) == (4, 0), (
+            f"expected a busy turn within hold_s of the last loss (4 follow-ups), got "
+            f"{counts(done, before)}")
+    await asyncio.sleep(HOLD_S + 0.005)  # uvloop's timers count milliseconds
+    for i in range(10):
+        pacer.follow_up(lambda i=i: done.append(f"c-end-{i}"))
+    before = len(done)
+    await one_turn()
+    assert counts(done, before) == (10, 0), (
+        f"expected a quiet turn once hold_s passed (all 10 follow-ups), got "
         f"{counts(done, before)}")
 
 
