@@ -122,6 +122,7 @@ class UpstreamDisconnected(UpstreamProtocolError):
 
     engine_may_hold_request = False
     answered = False
+    stale = False  # the loss looks like a stale pooled connection's (sidecar.upstream)
 
 
 class UpstreamTimeoutError(UpstreamError, TimeoutError):

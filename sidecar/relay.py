@@ -419,6 +419,7 @@ class UpstreamConnection(asyncio.Protocol):
         self.response: UpstreamResponse | None = None  # the attempt in flight
         self.in_use = False  # counted against max_connections (UpstreamPool)
         self.idle = False  # in the pool's idle list
+        self.reused = False  # taken from the idle list: it carried a request before
         self.keepalive: asyncio.TimerHandle | None = None
         self._drained: asyncio.Future[None] | None = None  # while writing waits (pause_writing)
         self._reading = True
@@ -672,7 +673,7 @@ class UpstreamPool:
                     connection.keepalive.cancel()
                     connection.keepalive = None
                 if connection.open:
-                    connection.in_use = True
+                    connection.in_use = connection.reused = True
                     self._in_use += 1
                     return connection
             if not limit or self._in_use < limit:

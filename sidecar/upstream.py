@@ -6,6 +6,10 @@ Pooling rules (:class:`sidecar.relay.UpstreamPool`): idle connections are kept
 never put back; a request that fails on a connection closed or reset before any response byte
 arrived (a stale pooled one) is sent once more on a fresh connection if every body byte read so
 far was kept (``replay_buffer_bytes``): the kept bytes are replayed, then the rest is relayed.
+Stale means a connection taken from the idle pool and lost within ``STALE_LOSS_S`` of the
+request's write: one the engine had closed shows it within a round trip (its kernel resets the
+bytes that arrive). A new connection, or one the engine held longer, had the request read and
+worked on (a worker crashing mid-request): sending it again would run it twice.
 The hop never decompresses, never follows redirects, keeps no cookies and ignores proxy
 environment variables: it is transparent. The engine sees the client's header fields minus the
 hop-by-hop ones (:mod:`sidecar.headers`), ``Host`` first, and the body framed as the client
@@ -54,6 +58,9 @@ log = logging.getLogger(__name__)
 
 # What the tunnel's upstream session buffers (sidecar.tunnel).
 READ_BUFFER_BYTES = 65536
+# A pooled connection lost this soon after the request's write is stale (the engine had closed
+# it): a round trip on a pod's network, with room for an event loop busy in a storm.
+STALE_LOSS_S = 0.5
 _NO_LIMITS = DownstreamSettings(body_timeout_s=None, max_body_bytes=0)
 # Methods aiohttp's client sent no ``Content-Length: 0`` for when there is no body (its
 # ClientRequest.GET_METHODS): kept, so the engine sees what it saw before.
@@ -194,7 +201,9 @@ async def open_upstream(
     ``target`` is the origin-form path and query (:func:`origin_form`). A request whose
     connection is closed or reset before any response byte (a stale pooled connection) is sent
     once more on a fresh connection if every body byte read so far was kept, unless
-    ``wanted()`` is False (the client left: the engine would get the request again for nobody).
+    ``wanted()`` is False (the client left: the engine would get the request again for nobody);
+    never after a loss on a new connection or later than ``STALE_LOSS_S`` after the write
+    (module docstring).
     Raises :class:`UpstreamConnectError`, :class:`UpstreamConnectTimeout`,
     :class:`UpstreamFirstByteTimeout`, :class:`UpstreamProtocolError` (a head that does not
     parse) or :class:`UpstreamDisconnected` (closed or reset before the head, after the one
@@ -211,7 +220,7 @@ async def open_upstream(
         except DownstreamError:
             raise
         except UpstreamDisconnected as exc:
-            if not fresh and not exc.answered and body.resendable and wanted():
+            if exc.stale and not fresh and not exc.answered and body.resendable and wanted():
                 log.info("request %s: upstream connection dropped before the response (%s); "
                          "sending again on a fresh connection", request_id, exc)
                 fresh = True
@@ -245,6 +254,7 @@ async def _attempt(pool: UpstreamPool, engine: Origin, method: str, target: str,
     head = request_head(method, target, engine, headers, framing)
     response = connection.send(head, [chunk_frame(p) for p in parts] if chunked else parts,
                                head_only=method == "HEAD")
+    written = time.monotonic()
     if whole:
         body.sent()
     else:
@@ -252,6 +262,10 @@ async def _attempt(pool: UpstreamPool, engine: Origin, method: str, target: str,
                                               name=f"request body to {engine}")
     try:
         await response.head
+    except UpstreamDisconnected as exc:
+        exc.stale = connection.reused and time.monotonic() - written <= STALE_LOSS_S
+        response.close()
+        raise
     except BaseException:
         response.close()
         raise

@@ -21,6 +21,7 @@ import pytest
 
 from sidecar.app import reload
 from sidecar.server import Servers
+from sidecar.upstream import STALE_LOSS_S
 from tests import rawhttp
 from tests.conftest import sidecar_settings
 from tests.fake_engine import ABORT_PATH
@@ -519,6 +520,61 @@ async def test_close_after_part_of_the_head_is_not_resent(start_sidecar: StartSi
     assert resp.status == 502, f"expected 502, got {resp.status} {resp.body[:200]!r}"
     assert len(engine.requests) == 1, (
         f"expected the engine to get the request once, got it {len(engine.requests)} times")
+
+
+# --- Lost before the head: re-sent only if the pooled connection was stale ---------------------
+
+OK_JSON = b"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\nContent-Length: 2\r\n\r\n{}"
+
+
+async def test_a_request_lost_on_a_new_connection_is_not_resent(
+        start_sidecar: StartSidecar) -> None:
+    """A new connection cannot be stale: the engine read the request and closed without a byte
+    (a worker that died with it); sending it again would run it twice."""
+    async with scripted(replies(0.05, keep=False)) as engine:
+        servers = await start(start_sidecar, engine)
+        async with asyncio.timeout(GUARD_S):
+            resp = await rawhttp.exchange(servers.proxy_port, chat(stream=False), "POST")
+    assert resp.status == 502, f"expected 502, got {resp.status} {resp.body[:200]!r}"
+    assert len(engine.requests) == 1, (
+        f"expected the engine to get the request once, got it {len(engine.requests)} times")
+
+
+@pytest.mark.parametrize("held_s", [0.0, STALE_LOSS_S + 0.3], ids=["at_once", "held"])
+async def test_a_pooled_connection_lost_at_once_is_stale_one_held_is_not(
+        held_s: float, start_sidecar: StartSidecar) -> None:
+    """The second request meets the pooled connection of the first, and the engine closes it with
+    no response byte: at once, as a stale connection shows (sent once more, on a new connection,
+    which answers), or after holding the request past ``STALE_LOSS_S`` (it worked on it: 502,
+    never twice)."""
+    async def script(seen: Seen, conn: Conn) -> bool:
+        number = len(engine.requests)  # this request's, from 1
+        if number == 2:
+            await asyncio.sleep(held_s)
+            return False  # closed with no response byte
+        conn.writer.write(OK_JSON)
+        await conn.writer.drain()
+        return True
+
+    async with scripted(script) as engine:
+        servers = await start(start_sidecar, engine)
+        async with asyncio.timeout(GUARD_S):
+            first = await rawhttp.exchange(servers.proxy_port, chat(stream=False), "POST")
+            second = await rawhttp.exchange(servers.proxy_port, chat(stream=False), "POST")
+    assert first.status == 200, f"expected the first request answered, got {first.status}"
+    connections = [seen.connection for seen in engine.requests]
+    if held_s:
+        assert second.status == 502, f"expected 502, got {second.status} {second.body[:200]!r}"
+        assert len(connections) == 2 and connections[0] == connections[1], (
+            f"expected the held request sent once, on the pooled connection, got it on "
+            f"connections {connections}")
+    else:
+        assert second.status == 200, (
+            f"expected the re-send on a new connection answered, got {second.status} "
+            f"{second.body[:200]!r}")
+        assert len(connections) == 3 and connections[0] == connections[1] != connections[2], (
+            f"expected the request sent again once, on a new connection, got connections "
+            f"{connections}")
 
 
 # --- Non-ASCII header bytes ---------------------------------------------------------------------
