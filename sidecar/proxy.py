@@ -43,7 +43,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Protocol, cast
 
-from aiohttp import web
+from aiohttp import HttpVersion11, web
 from aiohttp.http_writer import StreamWriter
 from multidict import CIMultiDict
 
@@ -237,6 +237,11 @@ class Exchange:
         response.headers[REQUEST_ID] = self.id
         if client_id:
             response.headers[CLIENT_REQUEST_ID] = client_id[0]
+        if request.version < HttpVersion11 and "Content-Length" not in response.headers:
+            # The body's end is the close (no chunked before HTTP/1.1). aiohttp 3.14 decides so
+            # in prepare but keeps the connection for a client that asked for keep-alive: the
+            # client would wait for an end that never comes.
+            response.force_close()
         transport = request.transport
         if transport is None or transport.is_closing():
             # The client left while the engine answered the head (its handler's cancellation

@@ -343,11 +343,15 @@ async def test_http10_client_gets_json(engine: FakeEngine, sidecar: Servers) -> 
     assert json.loads(resp.body)["object"] == "chat.completion", f"got {resp.body!r}"
 
 
-async def test_http10_client_gets_close_delimited_sse(engine: FakeEngine,
-                                                      sidecar: Servers) -> None:
+@pytest.mark.parametrize("extra", [[], [("Connection", "keep-alive")]],
+                         ids=["plain", "keep_alive_asked"])
+async def test_http10_client_gets_close_delimited_sse(
+        extra: list[tuple[str, str]], engine: FakeEngine, sidecar: Servers) -> None:
+    """A close-delimited body ends with the close, also for a client that asked for keep-alive
+    (aiohttp kept that connection open: the client waited for an end that never came)."""
     async with asyncio.timeout(GUARD_S):
         resp = await rawhttp.exchange(sidecar.proxy_port, post_json(
-            "/v1/chat/completions?tokens=5", {"stream": True}, "HTTP/1.0"))
+            "/v1/chat/completions?tokens=5", {"stream": True}, "HTTP/1.0", extra))
     assert resp.status == 200, f"HTTP/1.0 SSE: expected 200, got {resp.status}"
     assert not resp.chunked and resp.get("Content-Length") is None, (
         f"expected a close-delimited body, got headers {resp.headers}")
