@@ -34,6 +34,7 @@ import pytest
 import pytest_asyncio
 import yaml
 
+from sidecar.abort_wire import WARM
 from sidecar.config import parse_config
 from sidecar.server import Servers
 from tests.kind_engines import OpenAIEngine, VLLMEngine, Work, stream_bytes
@@ -170,8 +171,8 @@ async def storm(vllm: VLLMEngine, openai: OpenAIEngine, servers: Servers, stalls
                 variant: str, access: AccessLines) -> None:
     port, admin = servers.proxy_port, servers.admin_port or 0
     # the warm abort connections are open: the baseline counts them
-    assert await vllm.watch.until(lambda: engine_connections(vllm)[0] >= 4, WAIT_S), (
-        "expected the sidecar's 4 warm abort connections at the vLLM engine")
+    assert await vllm.watch.until(lambda: engine_connections(vllm)[0] >= WARM, WAIT_S), (
+        f"expected the sidecar's {WARM} warm abort connections at the vLLM engine")
     base_fds, (base_conns, _) = own_fds(), engine_connections(vllm, openai)
     all_plans = plans()
     cut = [p for p in all_plans if p.phase != "completed"]

@@ -145,9 +145,18 @@ async def wait_count(admin_port: int, name: str, value: float, **labels: str) ->
 
 
 async def settle_sidecar(servers: server.Servers) -> None:
-    """One /metrics round trip on a connection of its own, closed after it."""
+    """One /metrics round trip on a connection of its own, closed after it; then this process's
+    open fds steady for 0.2 s: the sidecar opens its warm abort connections (8 per engine,
+    ``sidecar.abort_wire.WARM``) one after another after startup, and a baseline taken
+    between two of them counts the rest as left behind."""
     async with aiohttp.ClientSession() as session:
         await metrics(servers.admin_port or 0, session)
+    deadline = time.monotonic() + WAIT_S
+    last, steady_since = open_fds(), time.monotonic()
+    while time.monotonic() - steady_since < 0.2 and time.monotonic() < deadline:
+        await asyncio.sleep(0.02)
+        if (now := open_fds()) != last:
+            last, steady_since = now, time.monotonic()
 
 
 def open_fds() -> int:
@@ -674,6 +683,7 @@ async def test_many_sessions_at_once_leave_nothing_behind(
     n = 200
     async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0)) as session:
         await session.get(f"http://127.0.0.1:{servers.proxy_port}/health")  # warm up
+        await settle_sidecar(servers)
         fds, tasks = open_fds(), len(asyncio.all_tasks())
         opened = asyncio.Event()
         live = 0
