@@ -481,7 +481,8 @@ class Aborter:
         try:
             for attempt in range(1, attempts + 1):
                 answer = await self._post(engine, call, pending if attempt == 1 else None)
-                self._metrics.abort_calls.labels(engine.name, answer.outcome).inc()
+                self._metrics.child(self._metrics.abort_calls, engine.name,
+                                    answer.outcome).inc()
                 retry = answer.transient and attempt < attempts
                 self._log_attempt(engine, count, requests, answer, attempt, attempts, retry)
                 if not retry:
@@ -576,9 +577,9 @@ class Aborter:
             resend.due = min(max(resend.due, time.monotonic()), resend.until)
             self._schedule_resend(queue, resend)
         latency = time.monotonic() - request.noticed_at
-        self._metrics.aborted_requests.labels(engine.name, outcome).inc()
+        self._metrics.child(self._metrics.aborted_requests, engine.name, outcome).inc()
         if outcome == _OK:
-            self._metrics.abort_latency.labels(engine.name).observe(latency)
+            self._metrics.child(self._metrics.abort_latency, engine.name).observe(latency)
         if request.request_log is not None:
             request.request_log.abort_done(outcome, latency)
 

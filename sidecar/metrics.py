@@ -7,7 +7,10 @@ or a host).
 
 from __future__ import annotations
 
+from typing import TypeVar
+
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+from prometheus_client.metrics import MetricWrapperBase
 
 # Seconds; abort latency is expected in milliseconds, time to first byte up to minutes.
 _FAST_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0)
@@ -16,11 +19,15 @@ _TUNNEL_BUCKETS = (0.01, 0.1, 1.0, 10.0, 30.0, 60.0, 300.0, 900.0, 1800.0, 3600.
 _TTFB_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 300.0)
 
 
+_Metric = TypeVar("_Metric", bound=MetricWrapperBase)
+
+
 class Metrics:
     """The sidecar's metrics, registered on ``registry``."""
 
     def __init__(self, registry: CollectorRegistry) -> None:
         self.registry = registry
+        self._children: dict[tuple[int, tuple[str, ...]], MetricWrapperBase] = {}
         self.requests = Counter(
             "cancel_sidecar_requests_total",
             "Downstream requests finished, by route prefix and status class (2xx..5xx, or "
@@ -133,6 +140,18 @@ class Metrics:
             "cancel_sidecar_tunnel_duration_seconds",
             "How long upgraded connections lasted, from the 101 relayed to both sides closed.",
             ["route"], buckets=_TUNNEL_BUCKETS, registry=registry)
+
+
+    def child(self, metric: _Metric, *labels: str) -> _Metric:
+        """``metric.labels(*labels)``, kept: prometheus_client checks and locks on every
+        ``labels`` call (1-2 us), paid per request and per abort on the hot paths. The same
+        child either way (prometheus_client keeps one per label values; the sidecar never
+        removes one); the labels are low-cardinality (module docstring)."""
+        key = (id(metric), labels)
+        child = self._children.get(key)
+        if child is None:
+            child = self._children[key] = metric.labels(*labels)
+        return child  # type: ignore[return-value]
 
 
 class ReadinessMetrics:

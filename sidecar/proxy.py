@@ -294,7 +294,7 @@ class Exchange:
     def _observe_ttfb(self, seconds: float) -> None:
         """``cancel_sidecar_upstream_time_to_first_byte_seconds``: the upstream request sent ->
         its response head parsed."""
-        self.metrics.upstream_ttfb.labels(self.target.engine.name).observe(seconds)
+        self.metrics.child(self.metrics.upstream_ttfb, self.target.engine.name).observe(seconds)
 
     async def _request_body(self, headers: CIMultiDict[str]) -> RequestBody:
         """The body to relay, read under the request's ``downstream`` limits. Raises
@@ -782,7 +782,7 @@ async def handle(request: web.Request, runtime: Runtime,
     hook = cast(LossHook, protocol) if hasattr(protocol, "on_lost") else None
     if hook is not None:
         hook.on_lost = exchange.client_gone
-    in_flight = metrics.in_flight.labels(target.prefix)
+    in_flight = metrics.child(metrics.in_flight, target.prefix)
     in_flight.inc()
     status_class = "disconnected"  # or "cancelled": the sidecar ended it (shutdown, cancel API,
     # deadline)
@@ -824,6 +824,6 @@ async def handle(request: web.Request, runtime: Runtime,
         del exchanges[exchange.id]
         exchange.close()
         in_flight.dec()
-        metrics.requests.labels(target.prefix, status_class).inc()
+        metrics.child(metrics.requests, target.prefix, status_class).inc()
         exchange.access.handler_done(exchange.status_sent, exchange.bytes_sent, gone,
                                      exchange.phase)
