@@ -119,12 +119,16 @@ _LINGER_RESET = struct.pack("ii", 1, 0)  # SO_LINGER on, 0 s: close() sends RST
 
 
 def error_response(status: int, message: str, error_type: str,
-                   request_id: str | None = None) -> web.Response:
-    """An OpenAI-style JSON error: ``{"error": {"message", "type", "param", "code"}}``."""
+                   request_id: str | None = None,
+                   client_request_id: str | None = None) -> web.Response:
+    """An OpenAI-style JSON error: ``{"error": {"message", "type", "param", "code"}}``, with the
+    sidecar's ``X-Request-Id`` and the client's own as ``X-Client-Request-Id``, if given."""
     body = {"error": {"message": message, "type": error_type, "param": None, "code": status}}
     response = web.json_response(body, status=status)
     if request_id is not None:
         response.headers[REQUEST_ID] = request_id
+    if client_request_id is not None:
+        response.headers[CLIENT_REQUEST_ID] = client_request_id
     return response
 
 
@@ -532,6 +536,11 @@ class Exchange:
             asked = False
         return "before_first_byte" if asked else "awaiting_response"
 
+    def _error(self, status: int, message: str, error_type: str) -> web.Response:
+        """:func:`error_response` for this request: its sidecar id and the client's own."""
+        return error_response(status, message, error_type, self.id,
+                              self.request.headers.get(REQUEST_ID))
+
     async def _refuse_body(self, exc: DownstreamError) -> web.StreamResponse:
         """The client's body broke a ``downstream`` limit before the engine had all of it: the
         upstream request, if one was sent, is already closed and nothing is aborted. The client
@@ -541,7 +550,7 @@ class Exchange:
         kind = type(exc).__name__.removeprefix("Request")
         self.metrics.downstream_errors.labels(self.target.prefix, kind).inc()
         log.info("request %s: %s; upstream closed, nothing to abort", self.id, exc)
-        response = error_response(exc.status, str(exc), exc.error_type, self.id)
+        response = self._error(exc.status, str(exc), exc.error_type)
         response.force_close()
         await response.prepare(self.request)
         await response.write_eof()
@@ -562,7 +571,7 @@ class Exchange:
             # head: its side is gone.)
             self._stop(kind, disconnect=False)
         self.upstream_finished = True
-        return error_response(exc.status, str(exc), exc.error_type, self.id)
+        return self._error(exc.status, str(exc), exc.error_type)
 
     def _broken_mid_stream(self, response: web.StreamResponse,
                            exc: UpstreamError | DownstreamError) -> web.StreamResponse:
@@ -660,7 +669,7 @@ class Exchange:
         return response
 
     async def _cancelled_before_head(self, ending: Ending) -> web.StreamResponse:
-        response = error_response(ending.status, ending.message, ending.error_type, self.id)
+        response = self._error(ending.status, ending.message, ending.error_type)
         response.set_status(ending.status, ending.status_reason)
         # The openai SDKs retry a 5xx (max_retries 2 by default) unless told not to
         # (openai-python _base_client.py, _should_retry: "x-should-retry: false" wins): a
@@ -714,9 +723,9 @@ class LossHook(Protocol):
 
 def _refuse(request: web.Request, status: int, message: str, error_type: str) -> web.Response:
     """A request the proxy answers itself, with its own access line."""
-    response = error_response(status, message, error_type)
-    RequestLog(uuid.uuid4().hex, request.method, request.path, None, None,
-               request.headers.get(REQUEST_ID)
+    request_id, client_id = uuid.uuid4().hex, request.headers.get(REQUEST_ID)
+    response = error_response(status, message, error_type, request_id, client_id)
+    RequestLog(request_id, request.method, request.path, None, None, client_id
                ).handler_done(status, response.content_length or 0, False, None)
     return response
 

@@ -18,6 +18,7 @@ import json
 import os
 import re
 import signal
+import socket
 import sys
 from collections.abc import AsyncIterator, Callable
 from pathlib import Path
@@ -358,6 +359,41 @@ async def test_http10_client_gets_close_delimited_sse(
     events = sse_events(resp.body)
     assert resp.ending == "eof" and len(events) == 6 and events[-1] == b"data: [DONE]", (
         f"expected 5 events, [DONE] and a clean close; got {resp.ending}: {events!r}")
+
+
+# --- The sidecar's own error responses name both ids ---------------------------------------------
+
+@pytest.mark.parametrize("case", ["engine_unreachable", "deadline_header_refused",
+                                  "body_too_large"])
+async def test_the_sidecars_own_errors_carry_both_request_ids(
+        case: str, start_sidecar: StartSidecar) -> None:
+    """README: the client's ``X-Request-Id`` comes back as ``X-Client-Request-Id``, the sidecar's
+    own id as ``X-Request-Id``; on the answers the sidecar writes itself too (they had neither,
+    or only the sidecar's)."""
+    with contextlib.closing(socket.socket()) as probe:
+        probe.bind(("127.0.0.1", 0))
+        dead_port = probe.getsockname()[1]  # closed below: nothing listens there
+    settings = sidecar_settings(f"http://127.0.0.1:{dead_port}",
+                                downstream={"max_body_bytes": 1000})
+    servers = await start_sidecar(settings)
+    headers = {"X-Request-Id": f"mine-{case}", "Content-Type": "application/json"}
+    body = b"{}"
+    if case == "deadline_header_refused":
+        headers["X-Sidecar-Deadline-S"] = "soon"
+    elif case == "body_too_large":
+        body = b"x" * 5000
+    expected = {"engine_unreachable": 502, "deadline_header_refused": 400,
+                "body_too_large": 413}[case]
+    async with asyncio.timeout(GUARD_S), aiohttp.ClientSession() as session:
+        async with session.post(f"http://127.0.0.1:{servers.proxy_port}/v1/chat/completions",
+                                data=body, headers=headers) as resp:
+            answer = await resp.json()
+    assert resp.status == expected and answer["error"]["code"] == expected, (
+        f"expected {expected} with an OpenAI-style body, got {resp.status} {answer}")
+    assert resp.headers.get("X-Client-Request-Id") == f"mine-{case}", (
+        f"expected the client's id back as X-Client-Request-Id, got {dict(resp.headers)}")
+    assert re.fullmatch(r"[0-9a-f]{32}", resp.headers.get("X-Request-Id", "")), (
+        f"expected the sidecar's own id as X-Request-Id, got {dict(resp.headers)}")
 
 
 # --- The CLI -----------------------------------------------------------------------------------
