@@ -75,8 +75,10 @@ def _authorized(request: web.Request) -> bool:
     # aiohttp decodes header bytes as UTF-8 with surrogateescape: encode them back the same
     # way (a plain encode() raised on a non-UTF-8 header: a 500 for anyone reaching the port).
     given = request.headers.get("Authorization", "").encode("utf-8", "surrogateescape")
-    expected = b"Bearer " + token.get_secret_value().encode()
-    return hmac.compare_digest(given, expected)
+    # The scheme is case-insensitive (RFC 9110 section 11.1): "bearer <token>" counts.
+    scheme, _, credentials = given.partition(b" ")
+    expected = token.get_secret_value().encode()
+    return scheme.lower() == b"bearer" and hmac.compare_digest(credentials, expected)
 
 
 def _not_found() -> web.Response:

@@ -227,6 +227,21 @@ async def test_cancel_token_is_required_when_configured(
     assert TOKEN not in caplog.text, "the cancel token must never be logged"
 
 
+@pytest.mark.parametrize("scheme", ["bearer", "BEARER", "BeArEr"])
+async def test_the_auth_scheme_is_case_insensitive(
+        engine: FakeEngine, start_sidecar: Callable[..., Any], scheme: str) -> None:
+    """RFC 9110 section 11.1: the scheme token is case-insensitive; the token itself is not."""
+    servers: Servers = await start_sidecar(sidecar_settings(
+        engine.url, admin={"cancel_token": TOKEN}))
+    for token, expected in ((TOKEN, 404), (TOKEN.upper(), 401)):
+        raw = (b"POST /v1/requests/" + b"0" * 32 + b"/cancel HTTP/1.1\r\nHost: admin\r\n"
+               b"Authorization: " + f"{scheme} {token}".encode() + b"\r\nContent-Length: 0\r\n\r\n")
+        response = await rawhttp.exchange(servers.admin_port or 0, raw, "POST")
+        assert response.status == expected, (
+            f"{scheme} with the {'right' if expected == 404 else 'upper-cased'} token: expected "
+            f"{expected}, got {response.status} {response.body!r}")
+
+
 @pytest.mark.parametrize("value", [b"Bearer \xe9", b"\xff\xfe",
                                    b"Bearer " + TOKEN.encode() + b"\x80"])
 async def test_a_token_that_is_not_utf8_is_401_not_500(
