@@ -50,7 +50,6 @@ from pydantic import (
     Field,
     SecretStr,
     ValidationError,
-    model_validator,
 )
 
 from sidecar.errors import ConfigError, ConfigProblem
@@ -116,12 +115,23 @@ def _cancel_token(value: SecretStr | None) -> SecretStr | None:
     return token
 
 
-def _url_without_userinfo(value: AnyHttpUrl) -> AnyHttpUrl:
-    """aiohttp sends ``user:password@`` as Basic auth on every proxied request, refuses it next
-    to the abort call's own ``Authorization`` header, and it would show in logs and ``/readyz``."""
+def _engine_url(value: AnyHttpUrl) -> AnyHttpUrl:
+    """An engine's url: an origin (request paths are forwarded unchanged), with a port it can
+    listen on, without ``user:password@`` (aiohttp sends it as Basic auth on every proxied
+    request, refuses it next to the abort call's own ``Authorization`` header, and it would show
+    in logs and ``/readyz``). Every problem in one message: a field check, so it runs next to
+    the config's other problems (a model check is skipped once a field has one)."""
+    problems = []
     if value.username or value.password:
-        raise ValueError("must not contain a user name or password (user:password@): put the "
-                         "engine's key in abort.api_key; clients send their own Authorization")
+        problems.append("must not contain a user name or password (user:password@): put the "
+                        "engine's key in abort.api_key; clients send their own Authorization")
+    if value.path not in (None, "", "/") or value.query or value.fragment:
+        problems.append("must be an origin like http://127.0.0.1:8000 (no path, query or "
+                        "fragment): request paths are forwarded unchanged")
+    if value.port == 0:
+        problems.append("port 0 names no engine: give the port it listens on")
+    if problems:
+        raise ValueError("; and ".join(problems))
     return value
 
 
@@ -213,18 +223,9 @@ class EngineSettings(_Model):
     """
 
     kind: EngineKind
-    url: Annotated[AnyHttpUrl, AfterValidator(_url_without_userinfo)]
+    url: Annotated[AnyHttpUrl, AfterValidator(_engine_url)]
     health_path: Annotated[str | None, AfterValidator(_http_path)] = None
     abort: AbortSettings = AbortSettings()
-
-    @model_validator(mode="after")
-    def _url_is_origin(self) -> EngineSettings:
-        if self.url.path not in (None, "", "/") or self.url.query or self.url.fragment:
-            raise ValueError(
-                "url must be an origin like http://127.0.0.1:8000 (no path, query or fragment): "
-                "request paths are forwarded unchanged"
-            )
-        return self
 
 
 class DownstreamSettings(_Model):

@@ -147,6 +147,18 @@ def test_engine_url_with_credentials_is_refused_without_echo(url: str) -> None:
     assert URL_PASSWORD not in message, f"the URL password leaked:\n{message}"
 
 
+def test_an_engine_urls_problems_are_named_next_to_the_configs_others() -> None:
+    """A bad config names every problem: the url's path and port 0 too when another key of the
+    engine is wrong (a model check was skipped once a field had a problem: only the unknown key
+    was named)."""
+    message = problems_of("engines:\n  a: {kind: vllm, url: 'http://h:1/v1', bogus: 1}\n"
+                          f"  b: {{kind: vllm, url: 'http://h:0'}}\n{ROUTES}")
+    for where, what in (("engines.a.url:", "must be an origin"), ("engines.a.bogus:", "unknown"),
+                        ("engines.b.url:", "port 0")):
+        assert any(where in line and what in line for line in message.splitlines()), (
+            f"expected {where} ... {what} among the problems, got:\n{message}")
+
+
 @pytest.mark.parametrize("text", [
     # the whole engines value rendered (a list where a mapping belongs)
     f"engines:\n  - {{kind: vllm, url: 'http://user:{URL_PASSWORD}@127.0.0.1:1'}}\n{ROUTES}",
