@@ -327,7 +327,7 @@ class Bench:
         out: dict[str, Any] = {}
         for interval_ms in self.args.storm_interval_ms:
             per: dict[str, Any] = {}
-            for path in self.main_paths:
+            for path in self.storm_paths:
                 await self.reset_engine()
                 r = await self.measured(path, functools.partial(
                     self.client.call, "storm", port=self.port(path), n=n, close=n // 2,
@@ -365,6 +365,13 @@ class Bench:
             summary["error"] = messages.strip().splitlines()[-1:] or ["py-spy failed"]
             log(f"profile  sidecar    py-spy failed: {messages.strip()[-300:]}")
         self.results["profile"] = summary
+
+    @property
+    def storm_paths(self) -> list[str]:
+        """The main paths, and the sidecar with as many workers as nginx has, if the sweep
+        runs it: the storm is where one process's per-disconnect cost shows most."""
+        same = f"sidecar-w{self.args.nginx_workers}"
+        return self.main_paths + ([same] if same in self.paths else [])
 
     @property
     def main_paths(self) -> list[str]:

@@ -175,6 +175,7 @@ class Exchange:
         # The abort plan, derived once the response is relaying (:meth:`_prepare_abort`), so
         # that a disconnect only queues it; None: derived at the disconnect (abort_plan).
         self.prepared: list[tuple[EngineAdapter, tuple[str, ...], bool]] | None = None
+        self.prepared_phase = "streaming"  # with prepared: the phase once the body went whole
         self.access = RequestLog(self.id, request.method, request.path, target.prefix,
                                  target.engine.name, request.headers.get(REQUEST_ID))
 
@@ -366,7 +367,9 @@ class Exchange:
         (:class:`sidecar.downstream.TeardownPacer`); the engine is already being told to stop.
         Otherwise (nothing to abort: the upstream close is all the engine hears) the upstream is
         closed in the next loop turn and False returned."""
-        if self.upstream_finished or self.saw_done_event or self.ending is not None:
+        downstream = self.downstream
+        if (self.upstream_finished or self.ending is not None
+                or (downstream is not None and downstream.saw_done_event)):
             return False
         self._abort_now(time.monotonic(), close_later=True)
         return self.aborting > 0
@@ -383,19 +386,27 @@ class Exchange:
         ``close_later`` (a disconnect): the upstream stays open for the handler's teardown to
         close if an abort was queued, else it is closed in a callback of its own."""
         self.noticed_at = noticed_at
-        plan = self.prepared  # set only once the response relays: the phase needs no body
-        body = self.body.copy() if self.body and plan is None else None
-        phase = self.phase = self._phase(body)
+        plan, request_body = self.prepared, self.body
+        if plan is None:  # derived now (no response relaying yet, or deriving counts or logs)
+            body = request_body.copy() if request_body else None
+            phase = self.phase = self._phase(body)
+        else:
+            body = None
+            # "request_body": a response relaying while the client still sends the body
+            phase = self.phase = (self.prepared_phase if request_body is not None
+                                  and request_body.complete else "request_body")
         if phase != "request_body":
-            body_sent_at = self.body.sent_at if self.body and self.body.sent_at else self.sent_at
+            body_sent_at = (request_body.sent_at if request_body and request_body.sent_at
+                            else self.sent_at)
+            # A lone id whose engine sent response body bytes, on a route where it streams only
+            # once registered (EngineAdapter.registered_once_streaming: vLLM's chat and
+            # completions), is known to it: no re-sends. A request with several ids keeps them
+            # (one may still be registering while another streams).
+            streamed = self.downstream is not None and self.downstream.bytes_sent > 0
             # One call per abort engine, queued in this same loop turn: the engines' calls run
             # concurrently, each with the ids its own kind derives.
             for engine, ids, once_streaming in self.abort_plan(body) if plan is None else plan:
-                # A lone id whose engine sent response body bytes, on a route where it streams
-                # only once registered (EngineAdapter.registered_once_streaming: vLLM's chat and
-                # completions), is known to it: no re-sends. A request with several ids keeps
-                # them (one may still be registering while another streams).
-                registered = once_streaming and len(ids) == 1 and bool(self.tail)
+                registered = streamed and once_streaming and len(ids) == 1
                 self.aborter.abort(engine, ids, self.id, noticed_at, self.access,
                                    None if registered else body_sent_at)
                 self.aborting += len(ids)
@@ -423,13 +434,9 @@ class Exchange:
         The connection is never pooled again (the teardown closes it: :meth:`close`)."""
         if self.downstream is not None:
             self.downstream.gone = True
-        connection = self.upstream.connection if self.upstream is not None else None
-        transport = connection.transport if connection is not None else None
-        if connection is None or transport is None or transport.is_closing():
-            return  # the engine's side is closed already (its connection_lost is queued)
-        connection.retire()
-        # Only ever reached from client_gone, which the downstream protocol's hook calls.
-        cast(LossHook, self.request.protocol).follow_up(connection.end)
+        if self.upstream is not None and (connection := self.upstream.connection).retire():
+            # Only ever reached from client_gone, which the downstream protocol's hook calls.
+            cast(LossHook, self.request.protocol).follow_up(connection.end)
 
     def _stop(self, reason: str, *, disconnect: bool) -> None:
         if self.noticed_at is None:
@@ -473,6 +480,7 @@ class Exchange:
             if ids:
                 plan.append((engine, ids, engine.registered_once_streaming(method, path)))
         self.prepared = plan
+        self.prepared_phase = self._response_phase()
 
     def _derive_ids(self, engine: EngineAdapter,
                     body: bytes | None) -> tuple[tuple[str, ...], Kept | Unabortable | None]:
@@ -524,17 +532,22 @@ class Exchange:
         if self.body is None or not self.body.complete:
             return "request_body"
         if self.upstream is not None:
-            # Not aiohttp's ``content_type``: it parses with the email package, ~30 us, and this
-            # runs for every disconnect before its abort is queued.
-            ctype = self.upstream.headers.get("Content-Type", "")
-            streamed = ctype.partition(";")[0].strip().lower() == "text/event-stream"
-            return "streaming" if streamed else "awaiting_response"
+            return self._response_phase()
         copy = body or b""
         try:
             asked = b'"stream"' in copy and json.loads(copy).get("stream") is True
         except (ValueError, AttributeError, RecursionError):
             asked = False
         return "before_first_byte" if asked else "awaiting_response"
+
+    def _response_phase(self) -> str:
+        """:meth:`_phase` once the response head is in and the body went whole: ``streaming``
+        for an SSE response, else ``awaiting_response``."""
+        assert self.upstream is not None
+        # Not aiohttp's ``content_type``: it parses with the email package, ~30 us.
+        ctype = self.upstream.headers.get("Content-Type", "")
+        streamed = ctype.partition(";")[0].strip().lower() == "text/event-stream"
+        return "streaming" if streamed else "awaiting_response"
 
     def _error(self, status: int, message: str, error_type: str) -> web.Response:
         """:func:`error_response` for this request: its sidecar id and the client's own."""

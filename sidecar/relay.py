@@ -582,14 +582,22 @@ class UpstreamConnection(asyncio.Protocol):
         if transport is not None and not transport.is_closing():
             transport.close()
 
-    def retire(self) -> None:
+    def retire(self) -> bool:
         """The client left and its abort is queued: stop reading the engine's response, and
         never write to nor pool this connection again (:attr:`reusable` is False from now on);
-        :meth:`end` follows. The pool's reads are held meanwhile (:class:`ReadPacer`)."""
-        self.pause_reading()
+        :meth:`end` follows. The pool's reads are held meanwhile (:class:`ReadPacer`). False
+        (nothing done) if the engine's side is closed already (its ``connection_lost`` is
+        queued)."""
+        transport = self.transport
+        if transport is None or transport.is_closing():
+            return False
+        if self._reading:
+            self._reading = False
+            transport.pause_reading()
         self._ended = True
         self._held, self.held_bytes = None, 0  # for a client that is gone
         self.pool.reads.hold()
+        return True
 
     def end(self) -> None:
         """End the connection on the engine's side now: ``shutdown(SHUT_RDWR)`` (the engine
