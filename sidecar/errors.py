@@ -91,10 +91,13 @@ class RequestBodyTimeout(DownstreamError, TimeoutError):
 
 
 class UpstreamError(SidecarError):
-    """The upstream (engine) gave no usable response. ``status`` is what the client gets."""
+    """The upstream (engine) gave no usable response. ``status`` and ``client_message`` are
+    what the client gets: the exception's own message (the engine's address, the OS error,
+    upstream bytes) goes only to the log."""
 
     status = 502
     error_type = "upstream_error"
+    client_message = "The engine gave no usable response"
     engine_may_hold_request = False
 
 
@@ -102,6 +105,7 @@ class UpstreamConnectError(UpstreamError):
     """No TCP connection to the engine (refused, unreachable, reset while connecting)."""
 
     error_type = "upstream_unreachable"
+    client_message = "The engine could not be reached"
 
 
 class UpstreamProtocolError(UpstreamError):
@@ -111,6 +115,7 @@ class UpstreamProtocolError(UpstreamError):
     """
 
     error_type = "upstream_protocol_error"
+    client_message = "The engine's response could not be parsed"
     engine_may_hold_request = True
 
 
@@ -120,6 +125,7 @@ class UpstreamDisconnected(UpstreamProtocolError):
     ``answered``: part of a response head had arrived (the engine had the request): never
     re-sent."""
 
+    client_message = "The engine closed the connection before answering"
     engine_may_hold_request = False
     answered = False
     stale = False  # the loss looks like a stale pooled connection's (sidecar.upstream)
@@ -130,15 +136,19 @@ class UpstreamTimeoutError(UpstreamError, TimeoutError):
 
     status = 504
     error_type = "upstream_timeout"
+    client_message = "The engine did not answer in time"
 
 
 class UpstreamConnectTimeout(UpstreamTimeoutError):
     """No connection to the engine within ``upstream.connect_timeout_s``."""
 
+    client_message = "No connection to the engine within the connect timeout"
+
 
 class UpstreamFirstByteTimeout(UpstreamTimeoutError):
     """No response headers from the engine within ``upstream.first_byte_timeout_s``."""
 
+    client_message = "No response from the engine within the first-byte timeout"
     engine_may_hold_request = True
 
 

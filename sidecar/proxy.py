@@ -584,7 +584,7 @@ class Exchange:
             # head: its side is gone.)
             self._stop(kind, disconnect=False)
         self.upstream_finished = True
-        return self._error(exc.status, str(exc), exc.error_type)
+        return self._error(exc.status, exc.client_message, exc.error_type)
 
     def _broken_mid_stream(self, response: web.StreamResponse,
                            exc: UpstreamError | DownstreamError) -> web.StreamResponse:

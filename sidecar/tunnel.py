@@ -437,7 +437,8 @@ class Tunnel:
         kind = type(exc).__name__.removeprefix("Upstream")
         self.metrics.upstream_errors.labels(self.target.engine.name, kind).inc()
         log.warning("request %s: upgrade: %s (%s)", self.id, exc, exc.__cause__)
-        return sidecar.proxy.error_response(exc.status, str(exc), exc.error_type, self.id)
+        return sidecar.proxy.error_response(exc.status, exc.client_message, exc.error_type,
+                                            self.id)
 
     async def _relay_refusal(self) -> web.StreamResponse:
         """The engine answered the upgrade with a status other than 101: relay it as the plain

@@ -273,13 +273,16 @@ async def test_stream_longer_than_first_byte_timeout_completes(
 
 
 async def test_refused_upstream_is_a_fast_502(start_sidecar: StartSidecar) -> None:
-    servers = await start_sidecar(sidecar_settings(f"http://127.0.0.1:{refused_port()}"))
+    engine = f"127.0.0.1:{refused_port()}"
+    servers = await start_sidecar(sidecar_settings(f"http://{engine}"))
     started = time.monotonic()
     async with asyncio.timeout(GUARD_S):
         resp = await rawhttp.exchange(servers.proxy_port, post_json("/v1/chat/completions", {}))
     took = time.monotonic() - started
     assert_openai_error(resp.status, resp.body, 502, "upstream_unreachable")
     assert took < 1.0, f"a refused connection should fail at once, took {took:.2f}s"
+    assert engine.encode() not in resp.body and b"Errno" not in resp.body, (
+        f"the client's error should not name the engine's address nor the OS error: {resp.body!r}")
 
 
 async def test_silent_upstream_is_a_504_after_first_byte_timeout(
