@@ -18,7 +18,9 @@ Facts (vLLM 0.32, read in the installed source and proven on a real engine by ``
                                                                     batch_serving.py``
   ``/v1/completions``               ``cmpl-{id}-{i}``, i < P        ``openai/completion/serving.py``
   ``/v1/messages``                  ``chatcmpl-{id}``               ``anthropic/serving.py``
-  ``/v1/responses``                 ``resp_{id}_0`` (body rewrite)  ``openai/responses/serving.py``
+  ``/v1/responses``                 ``resp_{id}_{k}`` (body         ``openai/responses/serving.py``
+                                    rewrite), k < 1, or < 16 with
+                                    built-in tools
   ``/inference/v1/generate``        ``generate-tokens-{id}``        ``scale_out/token_in_token_out/
                                                                     serving.py``
   ``/invocations``                  as chat if the body has         ``serve/sagemaker/
@@ -29,8 +31,15 @@ Facts (vLLM 0.32, read in the installed source and proven on a real engine by ``
   or a list of token ids, ``len(prompt)`` for a list of strings or of token-id lists, plus one per
   ``prompt_embeds`` entry. ``n > 1`` children share their parent's id, so one id aborts them all.
   ``/v1/responses`` ignores the header and takes the body field ``request_id`` (suffixed with the
-  turn number), so the sidecar overwrites that field with ``resp_{id}``; built-in tool turns after
-  the first (``_1``, ...) are not named. Not abortable by id: beam search (vLLM adds random
+  turn number), so the sidecar overwrites that field with ``resp_{id}``. A request with built-in
+  tools (``tools[].type`` ``web_search_preview``, ``code_interpreter``, ``container``, ``mcp``)
+  runs one generation turn per tool call, ``{request_id}_{k}`` each, the next one registered
+  after the tool answered (``_generate_with_builtin_tools``: ``while True``, no bound): the
+  sidecar names ``_0`` .. ``_15`` (:data:`BUILTIN_TOOL_TURNS`) and re-sends them for the
+  engine's registration window from the disconnect (:meth:`VLLMAdapter.registers_later`). An
+  aborted turn ends the loop (its output holds no complete tool call: ``need_builtin_tool_call``
+  is false); a client that leaves while a tool runs longer than ``resend_window_s`` leaves the
+  next turn to run unaborted. Not abortable by id: beam search (vLLM adds random
   suffixes), ``/v1/realtime``; the upstream close is all the sidecar can do for them.
 - Beam search (``"use_beam_search": true`` on ``/v1/completions`` and ``/v1/chat/completions``,
   also through ``/invocations``) submits ``{base}-{random}-beam-{k}`` per step
@@ -113,8 +122,28 @@ def _completions(sid: str, body: Any) -> tuple[str, ...]:
     return tuple(f"cmpl-{sid}-{i}" for i in range(count_prompts(body)))
 
 
+# Built-in tool types of a Responses request that may run more generation turns, as vLLM's
+# ``extract_tool_types`` (``openai/responses/utils.py``) reads ``tools[].type``; "mcp" counts
+# when its ``server_label`` is on vLLM's allowlist (``VLLM_GPT_OSS_SYSTEM_TOOL_MCP_LABELS``), an
+# environment variable of the engine the sidecar cannot see: so every "mcp" tool counts.
+BUILTIN_TOOL_TYPES = frozenset({"web_search_preview", "code_interpreter", "container", "mcp"})
+# Generation turns named for a Responses request with built-in tools: ``_0`` .. ``_{N-1}``. vLLM
+# bounds them by nothing (``_generate_with_builtin_tools``: ``while True``); ids it does not
+# know are ignored, so naming more costs only bytes (~45 per id).
+BUILTIN_TOOL_TURNS = 16
+
+
+def builtin_tools(body: Any) -> bool:
+    """True if a ``/v1/responses`` body asks for a built-in tool (:data:`BUILTIN_TOOL_TYPES`):
+    vLLM may then run a generation turn per tool call, each under an id of its own."""
+    tools = body.get("tools") if isinstance(body, dict) else None
+    return isinstance(tools, list) and any(
+        isinstance(tool, dict) and tool.get("type") in BUILTIN_TOOL_TYPES for tool in tools)
+
+
 def _responses(sid: str, body: Any) -> tuple[str, ...]:
-    return (f"resp_{sid}_0",)
+    turns = BUILTIN_TOOL_TURNS if builtin_tools(body) else 1
+    return tuple(f"resp_{sid}_{turn}" for turn in range(turns))
 
 
 def _generate(sid: str, body: Any) -> tuple[str, ...]:
@@ -140,7 +169,7 @@ ROUTES: dict[str, tuple[bool, IdRule]] = {
     "/v1/chat/completions/batch": (True, _chat_batch),
     "/v1/completions": (True, _completions),
     "/v1/messages": (False, _chat),
-    "/v1/responses": (False, _responses),
+    "/v1/responses": (True, _responses),
     "/inference/v1/generate": (False, _generate),
     "/invocations": (True, _invocations),
 }
@@ -180,9 +209,10 @@ class VLLMAdapter(EngineAdapter):
         headers[REQUEST_ID_HEADER] = sidecar_id
 
     def wants_body(self, method: str, path: str) -> bool:
-        """The routes whose ids depend on the body, and ``/v1/responses`` (is it background?)."""
+        """The routes whose ids depend on the body (``/v1/responses``: is it background, does it
+        ask for built-in tools?)."""
         rule = ROUTES.get(path) if method == "POST" else None
-        return rule is not None and (rule[0] or path == RESPONSES_PATH)
+        return rule is not None and rule[0]
 
     def engine_request_ids(
         self, method: str, path: str, sidecar_id: str, body: bytes | None
@@ -201,6 +231,11 @@ class VLLMAdapter(EngineAdapter):
     def registered_once_streaming(self, method: str, path: str) -> bool:
         """Chat and completions (:data:`REGISTERED_ONCE_STREAMING`)."""
         return method == "POST" and path in REGISTERED_ONCE_STREAMING
+
+    def registers_later(self, method: str, path: str, body: bytes | None) -> bool:
+        """``/v1/responses`` with built-in tools (:func:`builtin_tools`): turn ``k + 1`` is
+        registered once turn ``k`` asked for a tool and the tool answered, seconds later."""
+        return method == "POST" and path == RESPONSES_PATH and builtin_tools(parse_json(body))
 
     def kept_after_disconnect(self, method: str, path: str, body: bytes | None) -> Kept | None:
         """``background_response`` for a background ``POST /v1/responses`` that vLLM runs (not

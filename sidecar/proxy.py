@@ -41,7 +41,7 @@ import time
 import uuid
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Protocol, cast
+from typing import NamedTuple, Protocol, cast
 
 from aiohttp import HttpVersion11, web
 from aiohttp.http_writer import StreamWriter
@@ -87,6 +87,17 @@ SSE_DONE = b"data: [DONE]\n\n"
 # route's max_duration_s. Addressed to the sidecar: never forwarded upstream.
 DEADLINE_HEADER = "X-Sidecar-Deadline-S"
 CANCEL_WRITE_S = 5.0  # how long ending a cancelled response may wait for a slow client
+
+
+class AbortStep(NamedTuple):
+    """One abort engine's part of a request's abort: its engine request ids (never empty) and
+    how they get registered (:meth:`~engine.base.EngineAdapter.registered_once_streaming`,
+    :meth:`~engine.base.EngineAdapter.registers_later`)."""
+
+    engine: EngineAdapter
+    ids: tuple[str, ...]
+    once_streaming: bool
+    registers_later: bool
 
 
 @dataclass(frozen=True, slots=True)
@@ -174,7 +185,7 @@ class Exchange:
         self.aborting = 0
         # The abort plan, derived once the response is relaying (:meth:`_prepare_abort`), so
         # that a disconnect only queues it; None: derived at the disconnect (abort_plan).
-        self.prepared: list[tuple[EngineAdapter, tuple[str, ...], bool]] | None = None
+        self.prepared: list[AbortStep] | None = None
         self.prepared_phase = "streaming"  # with prepared: the phase once the body went whole
         self.access = RequestLog(self.id, request.method, request.path, target.prefix,
                                  target.engine.name, request.headers.get(REQUEST_ID))
@@ -405,10 +416,13 @@ class Exchange:
             streamed = self.downstream is not None and self.downstream.bytes_sent > 0
             # One call per abort engine, queued in this same loop turn: the engines' calls run
             # concurrently, each with the ids its own kind derives.
-            for engine, ids, once_streaming in self.abort_plan(body) if plan is None else plan:
+            # Ids an engine may register long after the body (vLLM's Responses turns after a
+            # built-in tool: EngineAdapter.registers_later) are re-sent for the window from now.
+            for engine, ids, once_streaming, later in (
+                    self.abort_plan(body) if plan is None else plan):
                 registered = streamed and once_streaming and len(ids) == 1
                 self.aborter.abort(engine, ids, self.id, noticed_at, self.access,
-                                   None if registered else body_sent_at)
+                                   None if registered else noticed_at if later else body_sent_at)
                 self.aborting += len(ids)
         if close_later and self.aborting:
             self._stop_reading_upstream()
@@ -448,18 +462,23 @@ class Exchange:
         log.info("request %s: %s during %s; upstream closed, %s", self.id, reason, self.phase,
                  f"aborting {aborting} engine id(s)" if aborting else "nothing to abort")
 
-    def abort_plan(self, body: bytes | None) -> list[tuple[EngineAdapter, tuple[str, ...], bool]]:
-        """Every (engine adapter, its non-empty engine request ids, whether the engine streams
-        this route only once the request is registered: :meth:`~engine.base.EngineAdapter
-        .registered_once_streaming`) to abort for this request now that it ended early: the
-        route's abort engines (``routes[].abort``) and the one its ``abort_from_header`` header
-        names, if allowed (:meth:`RouteTarget.abort_engines`). ``body``: the kept copy. Counts
+    def abort_plan(self, body: bytes | None) -> list[AbortStep]:
+        """Every :class:`AbortStep` of this request now that it ended early: the route's abort
+        engines (``routes[].abort``) and the one its ``abort_from_header`` header names, if
+        allowed (:meth:`RouteTarget.abort_engines`), with ids. ``body``: the kept copy. Counts
         and logs what cannot be aborted; calls nothing."""
         engines = self.target.abort_engines(self.request.headers, self.id, self.metrics)
+        return [step for engine in engines
+                if (step := self._abort_step(engine, self._engine_ids(engine, body), body))]
+
+    def _abort_step(self, engine: EngineAdapter, ids: tuple[str, ...],
+                    body: bytes | None) -> AbortStep | None:
+        """``engine``'s :class:`AbortStep` for ``ids``; ``None`` if there are none."""
+        if not ids:
+            return None
         method, path = self.request.method, self.request.path
-        plan = [(engine, self._engine_ids(engine, body)) for engine in engines]
-        return [(engine, ids, engine.registered_once_streaming(method, path))
-                for engine, ids in plan if ids]
+        return AbortStep(engine, ids, engine.registered_once_streaming(method, path),
+                         engine.registers_later(method, path, body))
 
     def _prepare_abort(self) -> None:
         """Derive the abort plan now that the response relays (its head is in, the body copy
@@ -471,14 +490,13 @@ class Exchange:
         if self.target.from_header is not None:
             return
         body = self.body.copy() if self.body else None
-        method, path = self.request.method, self.request.path
         plan = []
         for engine in self.target.aborts:
             ids, reason = self._derive_ids(engine, body)
             if reason is not None:
                 return
-            if ids:
-                plan.append((engine, ids, engine.registered_once_streaming(method, path)))
+            if step := self._abort_step(engine, ids, body):
+                plan.append(step)
         self.prepared = plan
         self.prepared_phase = self._response_phase()
 

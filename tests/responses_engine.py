@@ -28,6 +28,15 @@ and scheduler model):
   the stored response as JSON.
 - ``POST /v1/responses/{id}/cancel``: 404 if unknown, 400 unless ``queued``/``in_progress``;
   else stored as ``cancelled`` and its task cancelled (which aborts its engine request there).
+- built-in tools (``_generate_with_builtin_tools``, a server started with a tool server that
+  has all three): a request that is not background and asks for one (``tools[].type``
+  ``web_search_preview``, ``code_interpreter`` or ``container``, or ``mcp`` with such a
+  ``server_label``: ``extract_tool_types``), with ``tool_turns=N`` in the query, runs up to N
+  generation turns (:class:`ToolTurns`), turn ``k`` under engine id ``{request_id}_{k}``, each
+  ``tokens`` events ``interval`` seconds apart, then a tool call of ``tool_s`` seconds (query)
+  before the next turn is registered. An aborted turn ends the loop (its output holds no
+  complete tool call: ``need_builtin_tool_call`` is false); the turns go on whatever the
+  connection does (as behind a middleware that hides the disconnect), streamed as SSE events.
 
 Every ``GET``/``cancel`` is recorded in :attr:`ResponsesEngine.reads` / ``cancels``.
 """
@@ -45,9 +54,11 @@ from typing import Any
 from aiohttp import web
 from pydantic import TypeAdapter, ValidationError
 
-from tests.kind_engines import VLLMEngine, Work
+from tests.kind_engines import VLLMEngine, Work, _wait
 
 RESPONSES = "/v1/responses"
+TURN_FIELD = "_fake_turn"  # which generation turn a Work is (ToolTurns), never sent by a client
+BUILTIN = frozenset({"web_search_preview", "code_interpreter", "container"})
 _BOOL: TypeAdapter[bool | None] = TypeAdapter(bool | None)
 
 
@@ -79,6 +90,35 @@ class Background:
 
 
 @dataclass
+class ToolTurns:
+    """One response with built-in tools: its generation turns (a :class:`Work` each, engine id
+    ``{response_id}_{k}``), its events (streamed as :class:`Background`'s are), and whether its
+    loop ended (``ended``)."""
+
+    response_id: str
+    works: list[Work] = field(default_factory=list)
+    events: list[dict[str, Any]] = field(default_factory=list)
+    changed: asyncio.Event = field(default_factory=asyncio.Event)
+    ended: bool = False
+
+    def emit(self, event_type: str, **data: Any) -> None:
+        self.events.append({"type": event_type, "sequence_number": len(self.events), **data})
+        self.changed.set()
+
+
+def builtin_tools_asked(body: dict[str, Any]) -> bool:
+    """vLLM's ``extract_tool_types`` (``openai/responses/utils.py``) met with a tool server
+    that has all three built-in tools: a type in :data:`BUILTIN`, or an ``mcp`` tool whose
+    ``server_label`` is one (the fake's allowlist is those three labels)."""
+    tools = body.get("tools")
+    if not isinstance(tools, list):
+        return False
+    types = {tool.get("server_label") if tool.get("type") == "mcp" else tool.get("type")
+             for tool in tools if isinstance(tool, dict)}
+    return bool(types & BUILTIN)
+
+
+@dataclass
 class Read:
     """One ``GET /v1/responses/{id}``: what it asked and when its connection went away early."""
 
@@ -98,6 +138,7 @@ class ResponsesEngine(VLLMEngine):
         self.responses: dict[str, Background] = {}
         self.reads: list[Read] = []
         self.cancels: list[str] = []
+        self.tool_turns: list[ToolTurns] = []
         self.app.router.add_post(RESPONSES, self.create)
         self.app.router.add_get(RESPONSES + "/{response_id}", self.retrieve)
         self.app.router.add_post(RESPONSES + "/{response_id}/cancel", self.cancel)
@@ -107,7 +148,8 @@ class ResponsesEngine(VLLMEngine):
         if path == RESPONSES:
             rid = body.get("request_id")
             rid = rid if isinstance(rid, str) else f"resp_{uuid.uuid4().hex}"
-            return rid, (f"{rid}_0",)
+            turn = body.get(TURN_FIELD, 0)  # set by _run_turns: the fake's own bookkeeping
+            return rid, (f"{rid}_{turn}",)
         return super().derive(path, headers, body)
 
     async def stop(self) -> None:
@@ -128,6 +170,8 @@ class ResponsesEngine(VLLMEngine):
         if body.get("background") and not body.get("store", True):  # validate_background
             return _error(400, "background can only be used when `store` is true")
         if not pydantic_bool(body.get("background")):
+            if "tool_turns" in request.query and builtin_tools_asked(body):
+                return await self._tool_turns(request, body)
             return await self.generate(request)  # an ordinary generation, aborted by id
         work = self.admit(request.path, request.headers, body)
         assert work.tag is not None
@@ -177,6 +221,51 @@ class ResponsesEngine(VLLMEngine):
         background.emit("response.completed", response=dict(stored))
         self._end(work)
 
+    async def _tool_turns(self, request: web.Request,
+                          body: dict[str, Any]) -> web.StreamResponse:
+        query = request.query
+        rid = body.get("request_id")
+        run = ToolTurns(rid if isinstance(rid, str) else f"resp_{uuid.uuid4().hex}")
+        self.tool_turns.append(run)
+        task = asyncio.get_running_loop().create_task(self._run_turns(
+            request, body, run, int(query["tool_turns"]), int(query.get("tokens", 5)),
+            float(query.get("interval", 0.01)), float(query.get("tool_s", 0.05))),
+            name=f"tool turns {run.response_id}")
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+        if pydantic_bool(body.get("stream")):
+            return await self._stream(request, run, 0, None)
+        while not run.ended:  # a client that leaves cancels this wait, not the turns
+            run.changed.clear()
+            await run.changed.wait()
+        return web.json_response({"id": run.response_id, "object": "response",
+                                  "status": "completed", "output": []})
+
+    async def _run_turns(self, request: web.Request, body: dict[str, Any], run: ToolTurns,
+                         turns: int, tokens: int, interval: float, tool_s: float) -> None:
+        """Up to ``turns`` generation turns, a tool call of ``tool_s`` between two; the first
+        aborted turn ends the loop."""
+        run.emit("response.created", response={"id": run.response_id, "status": "in_progress"})
+        for turn in range(turns):
+            work = self.admit(request.path, request.headers, {**body, TURN_FIELD: turn})
+            run.works.append(work)
+            await work.known.wait()
+            for i in range(tokens):
+                if work.stop.is_set():
+                    break
+                run.emit("response.output_text.delta", delta=f"t{turn}.{i} ")
+                work.events += 1
+                self.watch.changed()
+                await _wait(work.stop, interval)
+            if work.stop.is_set():
+                break  # no complete tool call in an aborted turn: need_builtin_tool_call() False
+            self._end(work)
+            if turn + 1 < turns:
+                await asyncio.sleep(tool_s)  # context.call_tool(): the tool runs
+        run.emit("response.completed", response={"id": run.response_id, "status": "completed"})
+        run.ended = True
+        self.watch.changed()
+
     # -- GET /v1/responses/{id} -----------------------------------------------------------------
 
     async def retrieve(self, request: web.Request) -> web.StreamResponse:
@@ -196,7 +285,7 @@ class ResponsesEngine(VLLMEngine):
             return _error(400, f"Unknown response_id: {response_id}")
         return await self._stream(request, background, 0 if after is None else after + 1, read)
 
-    async def _stream(self, request: web.Request, background: Background, start: int,
+    async def _stream(self, request: web.Request, background: Background | ToolTurns, start: int,
                       read: Read | None) -> web.StreamResponse:
         """The stored events from index ``start``, as they come, until ``response.completed``
         (``responses_background_stream_generator``). Leaving only stops this reader."""
