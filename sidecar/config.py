@@ -727,12 +727,17 @@ def parse_config(text: str, source: str = "<string>",
         raise ConfigError(source, [ConfigProblem("", "must be a YAML mapping at the top level",
                                                  type(raw).__name__)])
     expanded = _expand(raw, os.environ if env is None else env, "", problems)
+    # A value whose ${VAR} is unset was already named (it expands to ""): its validation error
+    # ("input is empty") would only say the same thing twice.
+    unset = {problem.location for problem in problems}
     secrets = _secrets(raw) | _secrets(expanded)
     try:
         settings = Settings.model_validate(expanded)
     except ValidationError as exc:
         for err in exc.errors():
             loc = ".".join(str(part) for part in err["loc"])
+            if loc in unset:
+                continue
             if err["type"] == "extra_forbidden":  # a typo's value may be anything, a key too
                 problems.append(ConfigProblem(loc, _UNKNOWN_KEY))
                 continue

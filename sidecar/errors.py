@@ -29,6 +29,7 @@ mid-stream) nothing is aborted.
 
 from __future__ import annotations
 
+import ssl
 from dataclasses import dataclass
 
 
@@ -102,10 +103,19 @@ class UpstreamError(SidecarError):
 
 
 class UpstreamConnectError(UpstreamError):
-    """No TCP connection to the engine (refused, unreachable, reset while connecting)."""
+    """No connection to the engine (refused, unreachable, reset while connecting, a TLS handshake
+    or certificate that failed)."""
 
     error_type = "upstream_unreachable"
-    client_message = "The engine could not be reached"
+
+    @property
+    def client_message(self) -> str:  # type: ignore[override]
+        """Which step failed, from the cause (``raise ... from``): TCP or TLS."""
+        if isinstance(self.__cause__, ssl.SSLCertVerificationError):
+            return "The engine's TLS certificate could not be verified"
+        if isinstance(self.__cause__, ssl.SSLError):
+            return "The TLS handshake with the engine failed"
+        return "The engine could not be reached"
 
 
 class UpstreamProtocolError(UpstreamError):

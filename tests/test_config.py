@@ -54,6 +54,16 @@ def test_every_problem_is_located() -> None:
         assert f"  - {location}:" in message, f"expected a problem at {location} in:\n{message}"
 
 
+def test_an_unset_variable_is_one_problem_where_it_is_used() -> None:
+    """``${VAR}`` unset expands to "": the url's own check ("input is empty") would name the
+    same mistake a second time."""
+    message = problems_of("engines:\n  a: {kind: vllm, url: '${ENGINE_URL}'}\n"
+                          "listen: {port: 70000}\nroutes: [{prefix: /, engine: a}]\n")
+    assert message.count("  - ") == 2, f"expected two problems, got:\n{message}"
+    assert "  - engines.a.url: environment variable ENGINE_URL is not set" in message, message
+    assert "  - listen.port:" in message, f"expected the other problem still named:\n{message}"
+
+
 def test_log_level_is_case_insensitive() -> None:
     settings = parse_config("log_level: debug\nengines:\n  a: {kind: vllm, url: 'http://h:1'}\n"
                             "routes: [{prefix: /, engine: a}]\n", "<test>", env={})
