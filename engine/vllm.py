@@ -32,7 +32,8 @@ Facts (vLLM 0.32, read in the installed source and proven on a real engine by ``
   ``prompt_embeds`` entry. ``n > 1`` children share their parent's id, so one id aborts them all.
   ``/v1/responses`` ignores the header and takes the body field ``request_id`` (suffixed with the
   turn number), so the sidecar overwrites that field with ``resp_{id}``. A request with built-in
-  tools (``tools[].type`` ``web_search_preview``, ``code_interpreter``, ``container``, ``mcp``)
+  tools (``tools[].type`` ``web_search_preview``, ``code_interpreter``, ``container``, or an
+  ``mcp`` tool whose ``server_label`` is one of them)
   runs one generation turn per tool call, ``{request_id}_{k}`` each, the next one registered
   after the tool answered (``_generate_with_builtin_tools``: ``while True``, no bound): the
   sidecar names ``_0`` .. ``_15`` (:data:`BUILTIN_TOOL_TURNS`) and re-sends them for the
@@ -123,10 +124,11 @@ def _completions(sid: str, body: Any) -> tuple[str, ...]:
 
 
 # Built-in tool types of a Responses request that may run more generation turns, as vLLM's
-# ``extract_tool_types`` (``openai/responses/utils.py``) reads ``tools[].type``; "mcp" counts
-# when its ``server_label`` is on vLLM's allowlist (``VLLM_GPT_OSS_SYSTEM_TOOL_MCP_LABELS``), an
-# environment variable of the engine the sidecar cannot see: so every "mcp" tool counts.
-BUILTIN_TOOL_TYPES = frozenset({"web_search_preview", "code_interpreter", "container", "mcp"})
+# ``extract_tool_types`` (``openai/responses/utils.py``) reads ``tools[].type``, or an "mcp"
+# tool's ``server_label`` (counted by vLLM only if on ``VLLM_GPT_OSS_SYSTEM_TOOL_MCP_LABELS``, an
+# engine env var the sidecar cannot see, whose values can only be these three: ``envs.py``); a
+# turn runs only for a tool the engine's tool server has (``serving.py``, builtin_tool_list).
+BUILTIN_TOOL_TYPES = frozenset({"web_search_preview", "code_interpreter", "container"})
 # Generation turns named for a Responses request with built-in tools: ``_0`` .. ``_{N-1}``. vLLM
 # bounds them by nothing (``_generate_with_builtin_tools``: ``while True``); ids it does not
 # know are ignored, so naming more costs only bytes (~45 per id).
@@ -134,11 +136,23 @@ BUILTIN_TOOL_TURNS = 16
 
 
 def builtin_tools(body: Any) -> bool:
-    """True if a ``/v1/responses`` body asks for a built-in tool (:data:`BUILTIN_TOOL_TYPES`):
-    vLLM may then run a generation turn per tool call, each under an id of its own."""
+    """True if a parsed ``/v1/responses`` body asks for a built-in tool
+    (:data:`BUILTIN_TOOL_TYPES`, directly or as an ``mcp`` tool's ``server_label``): vLLM may
+    then run a generation turn per tool call, each under an id of its own."""
     tools = body.get("tools") if isinstance(body, dict) else None
     return isinstance(tools, list) and any(
-        isinstance(tool, dict) and tool.get("type") in BUILTIN_TOOL_TYPES for tool in tools)
+        isinstance(tool, dict) and (tool.get("server_label") if tool.get("type") == "mcp"
+                                    else tool.get("type")) in BUILTIN_TOOL_TYPES
+        for tool in tools)
+
+
+def may_ask_builtin_tools(body: bytes | None) -> bool:
+    """A substring test before any parse: False if the raw ``/v1/responses`` body cannot ask
+    for a built-in tool (most bodies: then never parsed for it, on the path of every response's
+    first byte). A body with a ``\\u`` escape anywhere is parsed: a key or a type may be spelt
+    with escapes."""
+    return body is not None and (b"\\u" in body or (b'"tools"' in body and any(
+        kind.encode() in body for kind in BUILTIN_TOOL_TYPES)))
 
 
 def _responses(sid: str, body: Any) -> tuple[str, ...]:
@@ -220,7 +234,8 @@ class VLLMAdapter(EngineAdapter):
         rule = ROUTES.get(path) if method == "POST" else None
         if rule is None or beam_search(path, body):
             return ()
-        return rule[1](sidecar_id, parse_json(body) if rule[0] else None)
+        parse = rule[0] and (path != RESPONSES_PATH or may_ask_builtin_tools(body))
+        return rule[1](sidecar_id, parse_json(body) if parse else None)
 
     def unabortable(self, method: str, path: str, body: bytes | None) -> Unabortable | None:
         """``vllm_beam_search`` for a body that asks for beam search (see the module notes)."""
@@ -235,7 +250,8 @@ class VLLMAdapter(EngineAdapter):
     def registers_later(self, method: str, path: str, body: bytes | None) -> bool:
         """``/v1/responses`` with built-in tools (:func:`builtin_tools`): turn ``k + 1`` is
         registered once turn ``k`` asked for a tool and the tool answered, seconds later."""
-        return method == "POST" and path == RESPONSES_PATH and builtin_tools(parse_json(body))
+        return (method == "POST" and path == RESPONSES_PATH and may_ask_builtin_tools(body)
+                and builtin_tools(parse_json(body)))
 
     def kept_after_disconnect(self, method: str, path: str, body: bytes | None) -> Kept | None:
         """``background_response`` for a background ``POST /v1/responses`` that vLLM runs (not

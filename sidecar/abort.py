@@ -298,10 +298,12 @@ class Aborter:
         request's abort latency is measured from it to the answer of the (last) call that
         carried its ids. ``request_log`` is told the request's outcome once (``cancelled`` if
         the sidecar stopped first, ``dropped`` if the engine's queue was full), so the
-        request's access line waits for it. ``body_sent_at``: the ``time.monotonic()`` at which
-        the engine got the whole body; if the registration window
-        (``engines.*.abort.resend_window_s``) from then is still open, the ids are re-sent
-        until it closes (:class:`_Resend`). Raises ``ValueError`` on an empty ``ids``.
+        request's access line waits for it. ``body_sent_at``: the ``time.monotonic()`` from
+        which the registration window (``engines.*.abort.resend_window_s``) counts: when the
+        engine got the whole body, or, for ids the engine may register any time later
+        (:meth:`~engine.base.EngineAdapter.registers_later`), the disconnect itself; if the
+        window is still open, the ids are re-sent until it closes (:class:`_Resend`); ``None``:
+        no re-sends. Raises ``ValueError`` on an empty ``ids``.
         """
         if not ids:
             raise ValueError("refusing an empty id list: an engine may read it as 'abort all'")

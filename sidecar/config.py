@@ -726,17 +726,18 @@ def parse_config(text: str, source: str = "<string>",
     if not isinstance(raw, dict):
         raise ConfigError(source, [ConfigProblem("", "must be a YAML mapping at the top level",
                                                  type(raw).__name__)])
+    loaded = len(problems)
     expanded = _expand(raw, os.environ if env is None else env, "", problems)
-    # A value whose ${VAR} is unset was already named (it expands to ""): its validation error
-    # ("input is empty") would only say the same thing twice.
-    unset = {problem.location for problem in problems}
+    # A value that is nothing but an unset ${VAR} was already named (it expands to ""): its
+    # validation error would only say the same thing twice. Any other error there is kept.
+    unset = {problem.location for problem in problems[loaded:]}
     secrets = _secrets(raw) | _secrets(expanded)
     try:
         settings = Settings.model_validate(expanded)
     except ValidationError as exc:
         for err in exc.errors():
             loc = ".".join(str(part) for part in err["loc"])
-            if loc in unset:
+            if (loc in unset and err["input"] == "" and err["type"] != "extra_forbidden"):
                 continue
             if err["type"] == "extra_forbidden":  # a typo's value may be anything, a key too
                 problems.append(ConfigProblem(loc, _UNKNOWN_KEY))

@@ -135,7 +135,7 @@ class UpstreamDisconnected(UpstreamProtocolError):
     ``answered``: part of a response head had arrived (the engine had the request): never
     re-sent."""
 
-    client_message = "The engine closed the connection before answering"
+    client_message = "The engine closed the connection before a complete response head"
     engine_may_hold_request = False
     answered = False
     stale = False  # the loss looks like a stale pooled connection's (sidecar.upstream)

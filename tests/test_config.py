@@ -64,6 +64,19 @@ def test_an_unset_variable_is_one_problem_where_it_is_used() -> None:
     assert "  - listen.port:" in message, f"expected the other problem still named:\n{message}"
 
 
+@pytest.mark.parametrize(("text", "problems"), [
+    # a misspelled key whose value is an unset variable: both
+    ("engines:\n  a: {kind: vllm, url: 'http://h:1', ulr: '${NOPE}'}\n", 2),
+    # an unset variable inside a value that is wrong anyway: both
+    ("engines:\n  a: {kind: vllm, url: 'ftp://${HOST}:8000'}\n", 2),
+    # a duplicate key and a range error at the same place: both
+    ("listen: {port: 80, port: 70000}\nengines:\n  a: {kind: vllm, url: 'http://h:1'}\n", 2),
+])
+def test_an_unset_variable_never_hides_another_problem(text: str, problems: int) -> None:
+    message = problems_of(text + "routes: [{prefix: /, engine: a}]\n")
+    assert message.count("  - ") == problems, f"expected {problems} problems, got:\n{message}"
+
+
 def test_log_level_is_case_insensitive() -> None:
     settings = parse_config("log_level: debug\nengines:\n  a: {kind: vllm, url: 'http://h:1'}\n"
                             "routes: [{prefix: /, engine: a}]\n", "<test>", env={})

@@ -56,6 +56,7 @@ def _body(tools: list[dict[str, Any]] | None, stream: bool = True) -> bytes:
     ([{"type": "code_interpreter", "container": {"type": "auto"}}], BUILTIN_TOOL_TURNS),
     ([{"type": "function", "name": "f"}, {"type": "container"}], BUILTIN_TOOL_TURNS),
     ([{"type": "mcp", "server_label": "web_search_preview"}], BUILTIN_TOOL_TURNS),
+    ([{"type": "mcp", "server_label": "my-crm", "server_url": "http://crm"}], 1),
     ("not a list", 1),
 ])
 def test_ids_name_every_turn_only_with_builtin_tools(tools: Any, turns: int) -> None:
@@ -63,6 +64,16 @@ def test_ids_name_every_turn_only_with_builtin_tools(tools: Any, turns: int) -> 
     ids = VLLM.engine_request_ids("POST", RESPONSES, "sid", body)
     assert ids == tuple(f"resp_sid_{k}" for k in range(turns)), f"got {ids}"
     assert VLLM.registers_later("POST", RESPONSES, body) is (turns > 1)
+
+
+def test_ids_name_every_turn_of_a_body_spelt_with_escapes() -> None:
+    """A JSON encoder may escape any character (the substring test before the parse must not
+    be fooled): the same request as ``tools: [{"type": "web_search_preview"}]``."""
+    body = rb'{"input": "hi", "\u0074ools": [{"type": "web\u005fsearch\u005fpreview"}]}'
+    assert json.loads(body)["tools"] == [{"type": "web_search_preview"}]  # the premise
+    ids = VLLM.engine_request_ids("POST", RESPONSES, "sid", body)
+    assert len(ids) == BUILTIN_TOOL_TURNS, f"got {ids}"
+    assert VLLM.registers_later("POST", RESPONSES, body)
 
 
 @pytest_asyncio.fixture
@@ -90,22 +101,27 @@ def _left_in(run: ToolTurns, instant: str) -> bool:
     return len(works) == 1 and works[0].finished  # "tool_call": turn 0 done, the tool runs
 
 
-@pytest.mark.parametrize("how", ["rst", "fin"])
+@pytest.mark.parametrize(("how", "stream"), [("rst", True), ("fin", True), ("rst", False)])
 @pytest.mark.parametrize("instant", ["first_turn", "later_turn", "tool_call"])
 async def test_no_turn_runs_on_after_the_client_leaves(
-        instant: str, how: str, engine: ResponsesEngine, servers: Servers,
+        instant: str, how: str, stream: bool, engine: ResponsesEngine, servers: Servers,
         stalls: Stalls) -> None:
+    """A stream (its head relayed: the abort plan derived ahead) and a JSON request (no head
+    before the whole answer: derived at the disconnect)."""
     async with raw_client(servers.proxy_port, stalls) as client:
-        client.send("POST", RESPONSES + QUERY, _body([{"type": "web_search_preview"}]))
-        status, headers = await client.head()
-        assert status == 200, f"expected a 200 stream, got {status}"
+        client.send("POST", RESPONSES + QUERY, _body([{"type": "web_search_preview"}], stream))
+        if stream:
+            status, _ = await client.head()
+            assert status == 200, f"expected a 200 stream, got {status}"
+        started = await engine.watch.until(lambda: bool(engine.tool_turns), WAIT_S)
+        assert started, "the request never reached the engine"
         run = engine.tool_turns[-1]
         reached = await engine.watch.until(lambda: _left_in(run, instant), WAIT_S)
         assert reached, f"the turns never reached {instant}: {run.works}"
         left = client.disconnect(how)
     ended = await engine.watch.until(lambda: run.ended, WAIT_S)
     assert ended, f"expected the engine's turn loop to end, turns: {run.works}"
-    sidecar_id = headers["X-Request-Id"]
+    sidecar_id = run.response_id.removeprefix("resp_")  # the body's request_id the sidecar set
     ran_on = [(w.engine_ids, at - left) for w in run.works for at in w.ran_to_end.values()
               if at > left]
     assert not ran_on, f"turns ran to their end after the client left (id, s after): {ran_on}"
