@@ -58,10 +58,12 @@ def kept(method: str, path: str, body: bytes | None, *, refuses_unstored: bool) 
     ``background_response`` for ``POST /v1/responses`` whose ``body`` (the request body copy;
     ``None``: not known, not kept) asks for ``background``, unless ``refuses_unstored`` and its
     raw ``store`` is falsy (vLLM answers 400: it never runs); ``response_retrieval`` for ``GET
-    /v1/responses/{id}``; else ``None``. A substring test first: most bodies are never parsed."""
+    /v1/responses/{id}``; else ``None``. A substring test first: most bodies are never parsed
+    (one with a ``\\u`` escape anywhere is: a key may be spelt with escapes)."""
     if retrieves_response(method, path):
         return Kept.RESPONSE_RETRIEVAL
-    if method != "POST" or path != RESPONSES_PATH or body is None or b"background" not in body:
+    if (method != "POST" or path != RESPONSES_PATH or body is None
+            or (b"background" not in body and b"\\u" not in body)):
         return None
     parsed = parse_json(body)
     if not isinstance(parsed, dict) or not lax_bool(parsed.get("background")):

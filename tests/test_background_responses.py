@@ -85,6 +85,8 @@ DECISIONS: list[tuple[str, str, bytes | None, Kept | None, Kept | None]] = [
     ("POST", RESPONSES, _body(background=True, store=0), None, BG),
     ("POST", RESPONSES, _body(background=True, store="false"), BG, BG),
     ("POST", RESPONSES, _body(background=True, store=True), BG, BG),
+    # a JSON encoder may escape any character: the same request as background true
+    ("POST", RESPONSES, rb'{"input": "hi", "\u0062ackground": true}', BG, BG),
     ("POST", RESPONSES, b'{"background": true', None, None),  # not JSON: the engine refuses
     ("POST", RESPONSES, b'["background", true]', None, None),
     ("POST", RESPONSES, None, None, None),  # no body copy: cannot tell
