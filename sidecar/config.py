@@ -471,11 +471,14 @@ def _names(loc: tuple[Hashable, ...]) -> list[Hashable]:
 def _is_secret(loc: tuple[Hashable, ...]) -> bool:
     """Whether the value at ``loc`` is never rendered: a known secret key, an unknown key whose
     name looks secret (not an engine's name: those are the user's labels), or anything under an
-    ``abort`` mapping but its path, timeout and retries (so ``apikey: sk-...`` is masked)."""
+    engine's ``abort`` mapping but its path, timeout and retries (so ``apikey: sk-...`` is
+    masked; a route's ``abort`` list names engines and stays readable)."""
     if any(part in _SECRET_KEYS or (isinstance(part, str) and _SECRET_NAME.search(part))
            for part in _names(loc)):
         return True
-    return "abort" in loc[:-1] and loc[-1] not in _PUBLIC_ABORT_KEYS if loc else False
+    # An engine's abort mapping (engines.NAME.abort...), not a route's list of engine names.
+    return (len(loc) >= 4 and loc[0] == "engines" and loc[2] == "abort"
+            and loc[-1] not in _PUBLIC_ABORT_KEYS)
 
 
 def _userinfo_end(text: str, loc: tuple[Hashable, ...]) -> int:
@@ -540,11 +543,21 @@ def _render_value(loc: tuple[Hashable, ...], value: Any) -> str:
     return text if len(text) <= 80 else text[:77] + "..."
 
 
+SHORT_SECRET = 8  # a secret shorter than this is masked only as a whole word (see _scrub)
+
+
 def _scrub(problems: list[ConfigProblem], secrets: set[str]) -> list[ConfigProblem]:
-    """Last line of defence: no secret value survives in any message."""
+    """Last line of defence: no secret value survives in any message. A short secret (under
+    ``SHORT_SECRET`` characters: ``local``, ``def``) only where it stands as a word of its own,
+    so that an engine named like it or a word holding it (``default``) stays readable."""
     def clean(text: str | None) -> str | None:
         for secret in sorted(secrets, key=len, reverse=True):  # a password inside its userinfo
-            text = text.replace(secret, "***") if text else text
+            if not text:
+                break
+            if len(secret) >= SHORT_SECRET:
+                text = text.replace(secret, "***")
+            else:
+                text = re.sub(rf"(?<![\w-]){re.escape(secret)}(?![\w-])", "***", text)
         return text
 
     return [ConfigProblem(p.location, clean(p.message) or "", clean(p.value)) for p in problems]
@@ -731,6 +744,10 @@ def parse_config(text: str, source: str = "<string>",
     # A value that is nothing but an unset ${VAR} was already named (it expands to ""): its
     # validation error would only say the same thing twice. Any other error there is kept.
     unset = {problem.location for problem in problems[loaded:]}
+
+    def cross_reference() -> list[ConfigProblem]:  # but "names no defined engine (got '')"
+        return [p for p in _cross_reference(expanded)
+                if not (p.location in unset and p.value == repr(""))]
     secrets = _secrets(raw) | _secrets(expanded)
     try:
         settings = Settings.model_validate(expanded)
@@ -744,9 +761,9 @@ def parse_config(text: str, source: str = "<string>",
                 continue
             value = None if err["type"] == "missing" else _render_value(err["loc"], err["input"])
             problems.append(ConfigProblem(loc, err["msg"].removeprefix("Value error, "), value))
-        problems.extend(_cross_reference(expanded))
+        problems.extend(cross_reference())
         raise ConfigError(source, _scrub(problems, secrets)) from exc
-    problems.extend(_cross_reference(expanded))
+    problems.extend(cross_reference())
     if settings.admin is not None and settings.admin.port and (
         settings.admin.host, settings.admin.port) == (settings.listen.host, settings.listen.port):
         problems.append(ConfigProblem("admin.port", "must differ from listen.port on the same "

@@ -102,6 +102,18 @@ class UpstreamError(SidecarError):
     engine_may_hold_request = False
 
 
+def detail(exc: BaseException) -> str:
+    """``exc``'s message for a log line, with its cause's when that adds something (``raise ...
+    from``: the OS or TLS error is usually quoted in the message already)."""
+    text, cause = str(exc), exc.__cause__
+    if cause is None:
+        return text
+    said, name = str(cause), type(cause).__name__
+    if not said:
+        return f"{text} ({name})"
+    return text if said in text else f"{text} ({name}: {said})"
+
+
 class UpstreamConnectError(UpstreamError):
     """No connection to the engine (refused, unreachable, reset while connecting, a TLS handshake
     or certificate that failed)."""

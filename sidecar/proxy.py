@@ -57,6 +57,7 @@ from sidecar.errors import (
     UpstreamError,
     UpstreamProtocolError,
     UpstreamReadTimeout,
+    detail,
 )
 from sidecar.headers import (
     downstream_response_headers,
@@ -595,7 +596,7 @@ class Exchange:
         kind = type(exc).__name__.removeprefix("Upstream")
         self.metrics.upstream_errors.labels(self.target.engine.name, kind).inc()
         # The detail (which may quote upstream bytes) goes to the log, not to the client.
-        log.warning("request %s: %s (%s)", self.id, exc, exc.__cause__)
+        log.warning("request %s: %s", self.id, detail(exc))
         if exc.engine_may_hold_request:
             # A timeout or a malformed head: the engine may still be queuing or generating for
             # nobody, so abort it. (Connect errors: it never got the request; a close before the

@@ -79,6 +79,7 @@ from sidecar.errors import (
     UpstreamFirstByteTimeout,
     UpstreamProtocolError,
     UpstreamReadTimeout,
+    detail,
 )
 from sidecar.headers import (
     downstream_response_headers,
@@ -436,7 +437,7 @@ class Tunnel:
     def _fail(self, exc: UpstreamError) -> web.Response:
         kind = type(exc).__name__.removeprefix("Upstream")
         self.metrics.upstream_errors.labels(self.target.engine.name, kind).inc()
-        log.warning("request %s: upgrade: %s (%s)", self.id, exc, exc.__cause__)
+        log.warning("request %s: upgrade: %s", self.id, detail(exc))
         return sidecar.proxy.error_response(exc.status, exc.client_message, exc.error_type,
                                             self.id)
 

@@ -77,6 +77,34 @@ def test_an_unset_variable_never_hides_another_problem(text: str, problems: int)
     assert message.count("  - ") == problems, f"expected {problems} problems, got:\n{message}"
 
 
+def test_a_routes_abort_list_names_engines_readably() -> None:
+    """A route's ``abort`` list holds engine names, not secrets: a typo there is shown, and so
+    are the engines defined (an engine's own ``abort`` mapping stays masked)."""
+    message = problems_of(
+        "engines:\n  router: {kind: openai, url: 'http://h:1'}\n"
+        "  prefill: {kind: vllm, url: 'http://h:2', abort: {api_key: '${KEY}'}}\n"
+        "routes:\n  - {prefix: /, engine: router, abort: [prefill, prefil]}\n"
+        "  - {prefix: /v1, engine: rooter}\n", env={"KEY": SECRET})
+    assert "(defined: prefill, router) (got 'prefil')" in message, message
+    assert "(got 'rooter')" in message and SECRET not in message, message
+
+
+def test_an_unset_variable_naming_an_engine_is_one_problem() -> None:
+    message = problems_of("engines:\n  a: {kind: vllm, url: 'http://h:1'}\n"
+                          "routes: [{prefix: /, engine: '${UNSET_E}'}]\n")
+    assert message.count("  - ") == 1, f"expected one problem, got:\n{message}"
+    assert "routes.0.engine: environment variable UNSET_E is not set" in message, message
+
+
+def test_a_short_secret_is_masked_only_as_a_word() -> None:
+    """``api_key: ${A:-def}``: the hint ``${PORT:-default}`` keeps its word whole (it neither
+    shows ``***ault`` nor gives away where the key sits in it); the key itself never shows."""
+    message = problems_of("engines:\n  a: {kind: vllm, url: 'http://h:1', "
+                          "abort: {api_key: '${A:-def}'}}\nlisten: {port: '${PORT}'}\n"
+                          "routes: [{prefix: /, engine: a}]\n")
+    assert "${PORT:-default}" in message and "***ault" not in message, message
+
+
 def test_log_level_is_case_insensitive() -> None:
     settings = parse_config("log_level: debug\nengines:\n  a: {kind: vllm, url: 'http://h:1'}\n"
                             "routes: [{prefix: /, engine: a}]\n", "<test>", env={})
