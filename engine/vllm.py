@@ -247,11 +247,11 @@ class VLLMAdapter(EngineAdapter):
         """Chat and completions (:data:`REGISTERED_ONCE_STREAMING`)."""
         return method == "POST" and path in REGISTERED_ONCE_STREAMING
 
-    def registers_later(self, method: str, path: str, body: bytes | None) -> bool:
-        """``/v1/responses`` with built-in tools (:func:`builtin_tools`): turn ``k + 1`` is
-        registered once turn ``k`` asked for a tool and the tool answered, seconds later."""
-        return (method == "POST" and path == RESPONSES_PATH and may_ask_builtin_tools(body)
-                and builtin_tools(parse_json(body)))
+    def registers_later(self, method: str, path: str, ids: tuple[str, ...]) -> bool:
+        """``/v1/responses`` with built-in tools: named with more than one turn's id
+        (:func:`_responses`); turn ``k + 1`` is registered once turn ``k`` asked for a tool and
+        the tool answered, seconds later. Read from the ids: the body is not parsed again."""
+        return method == "POST" and path == RESPONSES_PATH and len(ids) > 1
 
     def kept_after_disconnect(self, method: str, path: str, body: bytes | None) -> Kept | None:
         """``background_response`` for a background ``POST /v1/responses`` that vLLM runs (not

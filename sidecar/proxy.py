@@ -470,16 +470,15 @@ class Exchange:
         and logs what cannot be aborted; calls nothing."""
         engines = self.target.abort_engines(self.request.headers, self.id, self.metrics)
         return [step for engine in engines
-                if (step := self._abort_step(engine, self._engine_ids(engine, body), body))]
+                if (step := self._abort_step(engine, self._engine_ids(engine, body)))]
 
-    def _abort_step(self, engine: EngineAdapter, ids: tuple[str, ...],
-                    body: bytes | None) -> AbortStep | None:
+    def _abort_step(self, engine: EngineAdapter, ids: tuple[str, ...]) -> AbortStep | None:
         """``engine``'s :class:`AbortStep` for ``ids``; ``None`` if there are none."""
         if not ids:
             return None
         method, path = self.request.method, self.request.path
         return AbortStep(engine, ids, engine.registered_once_streaming(method, path),
-                         engine.registers_later(method, path, body))
+                         engine.registers_later(method, path, ids))
 
     def _prepare_abort(self) -> None:
         """Derive the abort plan now that the response relays (its head is in, the body copy
@@ -496,7 +495,7 @@ class Exchange:
             ids, reason = self._derive_ids(engine, body)
             if reason is not None:
                 return
-            if step := self._abort_step(engine, ids, body):
+            if step := self._abort_step(engine, ids):
                 plan.append(step)
         self.prepared = plan
         self.prepared_phase = self._response_phase()

@@ -591,9 +591,7 @@ class UpstreamConnection(asyncio.Protocol):
         transport = self.transport
         if transport is None or transport.is_closing():
             return False
-        if self._reading:
-            self._reading = False
-            transport.pause_reading()
+        self.pause_reading()
         self._ended = True
         self._held, self.held_bytes = None, 0  # for a client that is gone
         self.pool.reads.hold()

@@ -63,7 +63,7 @@ def test_ids_name_every_turn_only_with_builtin_tools(tools: Any, turns: int) -> 
     body = json.dumps({"input": "hi", "tools": tools}).encode()
     ids = VLLM.engine_request_ids("POST", RESPONSES, "sid", body)
     assert ids == tuple(f"resp_sid_{k}" for k in range(turns)), f"got {ids}"
-    assert VLLM.registers_later("POST", RESPONSES, body) is (turns > 1)
+    assert VLLM.registers_later("POST", RESPONSES, ids) is (turns > 1)
 
 
 def test_ids_name_every_turn_of_a_body_spelt_with_escapes() -> None:
@@ -73,7 +73,7 @@ def test_ids_name_every_turn_of_a_body_spelt_with_escapes() -> None:
     assert json.loads(body)["tools"] == [{"type": "web_search_preview"}]  # the premise
     ids = VLLM.engine_request_ids("POST", RESPONSES, "sid", body)
     assert len(ids) == BUILTIN_TOOL_TURNS, f"got {ids}"
-    assert VLLM.registers_later("POST", RESPONSES, body)
+    assert VLLM.registers_later("POST", RESPONSES, ids)
 
 
 @pytest_asyncio.fixture
