@@ -242,12 +242,14 @@ class EngineAdapter(abc.ABC):
         ``/v1/responses`` sends ``response.created`` first)."""
         return False
 
-    def registers_later(self, method: str, path: str, ids: tuple[str, ...]) -> bool:
+    def registers_later(self, method: str, path: str, ids: tuple[str, ...],
+                        body: bytes | None) -> bool:
         """True if some of the request's engine ids (``ids``, as :meth:`engine_request_ids`
-        derived them) may be registered long after the engine had the whole body (vLLM's
-        ``/v1/responses`` with built-in tools: one id per generation turn, the next one after
-        the tool ran). Its re-sends then run for the registration window from the disconnect,
-        not from the body's arrival (:mod:`sidecar.abort`). Default ``False``."""
+        derived them from ``body``, the request body copy) may be registered long after the
+        engine had the whole body: ``/v1/responses`` with built-in tools runs a generation turn
+        per tool call, the next one registered after the tool ran (vLLM: one id per turn;
+        SGLang: the same id again). Its re-sends then run for the registration window from the
+        disconnect, not from the body's arrival (:mod:`sidecar.abort`). Default ``False``."""
         return False
 
     def kept_after_disconnect(self, method: str, path: str, body: bytes | None) -> Kept | None:

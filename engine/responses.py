@@ -39,6 +39,8 @@ obj.background and await request.is_disconnected()``). The same ``GET`` and ``/c
 
 from __future__ import annotations
 
+from collections.abc import Iterable
+
 from engine.base import Kept, lax_bool, parse_json
 
 RESPONSES_PATH = "/v1/responses"
@@ -71,3 +73,12 @@ def kept(method: str, path: str, body: bytes | None, *, refuses_unstored: bool) 
     if refuses_unstored and not parsed.get("store", True):
         return None
     return Kept.BACKGROUND_RESPONSE
+
+
+def may_name_tools(body: bytes | None, types: Iterable[str]) -> bool:
+    """A substring test before any parse: False if the raw ``/v1/responses`` ``body`` cannot ask
+    for a tool of one of ``types`` (most bodies: then never parsed for it, on the path of every
+    response's first byte). A body with a ``\\u`` escape anywhere may: a key or a type may be
+    spelt with escapes."""
+    return body is not None and (b"\\u" in body or (b'"tools"' in body and any(
+        kind.encode() in body for kind in types)))

@@ -29,11 +29,17 @@ and function, and where issue 4's claims hold):
   names each exact id; ``{id}_1`` also matching ``{id}_10`` stays within the same request.
   Sidecar ids are ``uuid4().hex``: 32 characters each, and a string is a prefix of another of
   the same length only if they are equal, so no request's ids reach another's.
-- ``/v1/responses`` is not tagged (SGLang's responses handler takes ``request_id``, not ``rid``),
-  so it is never aborted by id; a background one (``"background": true``) is kept by SGLang on
-  purpose after the client leaves, and a ``GET /v1/responses/{id}`` reads a stored one:
-  :meth:`SGLangAdapter.kept_after_disconnect` says so, for the count and the access line
-  (facts in :mod:`engine.responses`).
+- ``POST /v1/responses`` takes its id from the body field ``request_id`` (``ResponsesRequest``,
+  default ``resp_{uuid4().hex}``; ``serving_responses.py`` passes ``rid=request.request_id``),
+  so the sidecar sets ``request_id`` to ``resp_{id}`` and the abort names ``resp_{id}``. With
+  built-in tools (``tools[].type`` ``web_search``, ``web_search_preview`` or
+  ``code_interpreter``: :data:`BUILTIN_TOOL_TYPES`), ``_generate_with_builtin_tools`` runs a
+  generation turn per tool call, every one under that same rid, the next registered only after
+  the tool answered (``while True``, no bound): such a request is re-sent for the registration
+  window from the disconnect (:meth:`SGLangAdapter.registers_later`). A background one
+  (``"background": true``) is kept by SGLang on purpose after the client leaves, and a ``GET
+  /v1/responses/{id}`` reads a stored one: :meth:`SGLangAdapter.kept_after_disconnect` says so,
+  for the count and the access line (facts in :mod:`engine.responses`).
 - One rid per call (``rid`` is ``Optional[str]``): ``max_ids_per_call = 1``. Never
   ``abort_all``; clients may not reach the endpoints that abort others' work.
 """
@@ -53,7 +59,7 @@ from engine.base import (
     parse_json,
     with_field,
 )
-from engine.responses import RESPONSES_PATH, kept
+from engine.responses import RESPONSES_PATH, kept, may_name_tools
 from sidecar.config import EngineKind, EngineSettings
 
 log = logging.getLogger(__name__)
@@ -65,6 +71,23 @@ GENERATE = "/generate"
 COMPLETIONS = "/v1/completions"
 CHAT = "/v1/chat/completions"
 BODY_RID_ROUTES = frozenset({GENERATE, COMPLETIONS, CHAT})
+# Responses tool types that make SGLang run more generation turns under the same rid
+# (``serving_responses.py``: ``_construct_input_messages_with_harmony`` offers the model the
+# browser for ``web_search``/``web_search_preview`` and python for ``code_interpreter``;
+# ``_generate_with_builtin_tools`` loops while the last message is addressed to one of them,
+# ``entrypoints/context.py`` ``HarmonyContext.need_builtin_tool_call``).
+BUILTIN_TOOL_TYPES = frozenset({"web_search", "web_search_preview", "code_interpreter"})
+
+
+def builtin_tools(body: bytes | None) -> bool:
+    """True if the raw ``/v1/responses`` ``body`` asks for a tool of
+    :data:`BUILTIN_TOOL_TYPES` (parsed only if a substring test says it may)."""
+    if not may_name_tools(body, BUILTIN_TOOL_TYPES):
+        return False
+    parsed = parse_json(body)
+    tools = parsed.get("tools") if isinstance(parsed, dict) else None
+    return isinstance(tools, list) and any(
+        isinstance(tool, dict) and tool.get("type") in BUILTIN_TOOL_TYPES for tool in tools)
 
 
 
@@ -138,7 +161,8 @@ class SGLangAdapter(EngineAdapter):
                     "gives each sample a fresh random rid); on a disconnect only their upstream "
                     "is closed, counted in cancel_sidecar_unabortable_requests_total"
                     "{reason=\"sglang_n_samples\"}. Routes other than %s are not tagged and "
-                    "are not aborted by id", name, ", ".join(sorted(BODY_RID_ROUTES)))
+                    "are not aborted by id", name,
+                    ", ".join(sorted(BODY_RID_ROUTES | {RESPONSES_PATH})))
 
     def tag(self, path: str, sidecar_id: str, headers: MutableMapping[str, str]) -> None:
         # Only read when SGLANG_ENABLE_REQUEST_HEADER_OVERRIDES is set; then it beats the body.
@@ -146,17 +170,26 @@ class SGLangAdapter(EngineAdapter):
         headers[REQUEST_ID_HEADER] = sidecar_id  # read by nothing in SGLang; for correlation
 
     def rewrites_body(self, method: str, path: str) -> bool:
-        return method == "POST" and path in BODY_RID_ROUTES
+        return method == "POST" and (path in BODY_RID_ROUTES or path == RESPONSES_PATH)
 
     def rewrite_body(self, method: str, path: str, sidecar_id: str, body: bytes) -> bytes | None:
-        """Set ``rid`` to ``sidecar_id``, replacing any value (string or list) the client sent:
-        a client never chooses the id an abort names. ``None`` for a body that is not a JSON
-        object (SGLang rejects it itself)."""
+        """Set ``rid`` to ``sidecar_id`` (``/v1/responses``: ``request_id`` to
+        ``resp_{sidecar_id}``), replacing any value (string or list) the client sent: a client
+        never chooses the id an abort names. ``None`` for a body that is not a JSON object
+        (SGLang rejects it itself)."""
+        if path == RESPONSES_PATH:
+            return with_field(body, "request_id", f"resp_{sidecar_id}")
         return with_field(body, "rid", sidecar_id)
 
     def wants_body(self, method: str, path: str) -> bool:
-        """The ``rid`` routes, and ``/v1/responses`` (is it background?)."""
-        return self.rewrites_body(method, path) or (method == "POST" and path == RESPONSES_PATH)
+        """The ``rid`` routes, and ``/v1/responses`` (is it background? built-in tools?)."""
+        return self.rewrites_body(method, path)
+
+    def registers_later(self, method: str, path: str, ids: tuple[str, ...],
+                        body: bytes | None) -> bool:
+        """``/v1/responses`` with built-in tools (:func:`builtin_tools`): every generation turn
+        after a tool call registers the same rid again, seconds after the body."""
+        return method == "POST" and path == RESPONSES_PATH and builtin_tools(body)
 
     def kept_after_disconnect(self, method: str, path: str, body: bytes | None) -> Kept | None:
         """``background_response`` for a background ``POST /v1/responses``,
@@ -168,6 +201,8 @@ class SGLangAdapter(EngineAdapter):
     ) -> tuple[str, ...]:
         if not self.rewrites_body(method, path):
             return ()
+        if path == RESPONSES_PATH:  # one prompt, one rid: never a batch, no n
+            return (f"resp_{sidecar_id}",)
         parsed = parse_json(body)
         if samples(path, parsed) > 1:
             return ()  # fresh random rids: see unabortable
@@ -178,7 +213,8 @@ class SGLangAdapter(EngineAdapter):
 
     def unabortable(self, method: str, path: str, body: bytes | None) -> Unabortable | None:
         """``sglang_n_samples`` for ``n > 1`` on a route that takes ``rid`` from the body."""
-        if self.rewrites_body(method, path) and samples(path, parse_json(body)) > 1:
+        if (method == "POST" and path in BODY_RID_ROUTES
+                and samples(path, parse_json(body)) > 1):
             return Unabortable.SGLANG_N_SAMPLES
         return None
 

@@ -79,7 +79,7 @@ from engine.base import (
     parse_json,
     with_field,
 )
-from engine.responses import RESPONSES_PATH, kept
+from engine.responses import RESPONSES_PATH, kept, may_name_tools
 from sidecar.config import EngineKind
 
 REQUEST_ID_HEADER = "X-Request-Id"
@@ -147,12 +147,9 @@ def builtin_tools(body: Any) -> bool:
 
 
 def may_ask_builtin_tools(body: bytes | None) -> bool:
-    """A substring test before any parse: False if the raw ``/v1/responses`` body cannot ask
-    for a built-in tool (most bodies: then never parsed for it, on the path of every response's
-    first byte). A body with a ``\\u`` escape anywhere is parsed: a key or a type may be spelt
-    with escapes."""
-    return body is not None and (b"\\u" in body or (b'"tools"' in body and any(
-        kind.encode() in body for kind in BUILTIN_TOOL_TYPES)))
+    """False if the raw ``/v1/responses`` body cannot ask for a built-in tool
+    (:func:`engine.responses.may_name_tools`): then it is never parsed for it."""
+    return may_name_tools(body, BUILTIN_TOOL_TYPES)
 
 
 def _responses(sid: str, body: Any) -> tuple[str, ...]:
@@ -247,7 +244,8 @@ class VLLMAdapter(EngineAdapter):
         """Chat and completions (:data:`REGISTERED_ONCE_STREAMING`)."""
         return method == "POST" and path in REGISTERED_ONCE_STREAMING
 
-    def registers_later(self, method: str, path: str, ids: tuple[str, ...]) -> bool:
+    def registers_later(self, method: str, path: str, ids: tuple[str, ...],
+                        body: bytes | None) -> bool:
         """``/v1/responses`` with built-in tools: named with more than one turn's id
         (:func:`_responses`); turn ``k + 1`` is registered once turn ``k`` asked for a tool and
         the tool answered, seconds later. Read from the ids: the body is not parsed again."""

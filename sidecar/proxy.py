@@ -470,15 +470,17 @@ class Exchange:
         and logs what cannot be aborted; calls nothing."""
         engines = self.target.abort_engines(self.request.headers, self.id, self.metrics)
         return [step for engine in engines
-                if (step := self._abort_step(engine, self._engine_ids(engine, body)))]
+                if (step := self._abort_step(engine, self._engine_ids(engine, body), body))]
 
-    def _abort_step(self, engine: EngineAdapter, ids: tuple[str, ...]) -> AbortStep | None:
-        """``engine``'s :class:`AbortStep` for ``ids``; ``None`` if there are none."""
+    def _abort_step(self, engine: EngineAdapter, ids: tuple[str, ...],
+                    body: bytes | None) -> AbortStep | None:
+        """``engine``'s :class:`AbortStep` for ``ids`` (derived from ``body``, the kept copy);
+        ``None`` if there are none."""
         if not ids:
             return None
         method, path = self.request.method, self.request.path
         return AbortStep(engine, ids, engine.registered_once_streaming(method, path),
-                         engine.registers_later(method, path, ids))
+                         engine.registers_later(method, path, ids, body))
 
     def _prepare_abort(self) -> None:
         """Derive the abort plan now that the response relays (its head is in, the body copy
@@ -495,7 +497,7 @@ class Exchange:
             ids, reason = self._derive_ids(engine, body)
             if reason is not None:
                 return
-            if step := self._abort_step(engine, ids):
+            if step := self._abort_step(engine, ids, body):
                 plan.append(step)
         self.prepared = plan
         self.prepared_phase = self._response_phase()

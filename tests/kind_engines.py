@@ -41,7 +41,8 @@ their last token un-aborted.
 - :class:`SGLangEngine` (``tests/sglang_facts.md``, SGLang 0.5.23): the id is the body's ``rid``
   (``X-Request-Id`` is ignored; a fresh uuid4 hex if absent); a batch (``/generate`` ``text`` or
   ``input_ids`` a list of lists, ``/v1/completions`` ``prompt`` a list of strings) runs as
-  ``{rid}_{i}``; ``n > 1`` runs every sample under a fresh uuid4 hex. ``POST /abort_request
+  ``{rid}_{i}``; ``n > 1`` runs every sample under a fresh uuid4 hex; ``/v1/responses`` runs
+  under the body's ``request_id`` (default ``resp_`` + a uuid4 hex). ``POST /abort_request
   {"rid"}`` always answers 200; a rid that is not exactly a live request's is ignored (one
   tokenizer worker), otherwise every live request whose id starts with it is aborted (the
   scheduler's prefix match).
@@ -501,11 +502,15 @@ class SGLangEngine(KindEngine):
     """SGLang's request ids and abort endpoint (see the module docstring)."""
 
     kind = "sglang"
-    generating = ("/generate", "/v1/completions", "/v1/chat/completions")
+    generating = ("/generate", "/v1/completions", "/v1/chat/completions", "/v1/responses")
     abort_path = "/abort_request"
 
     def derive(self, path: str, headers: Mapping[str, str], body: dict[str, Any]
                ) -> tuple[str | None, tuple[str, ...]]:
+        if path == "/v1/responses":  # ResponsesRequest.request_id: rid=request.request_id
+            request_id = body.get("request_id")
+            tag = request_id if isinstance(request_id, str) else f"resp_{uuid.uuid4().hex}"
+            return tag, (tag,)
         rid = body.get("rid")
         base = rid if isinstance(rid, str) else uuid.uuid4().hex
         size, n = _sglang_batch(path, body), _sglang_n(path, body)

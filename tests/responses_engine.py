@@ -39,6 +39,12 @@ and scheduler model):
   connection does (as behind a middleware that hides the disconnect), streamed as SSE events.
 
 Every ``GET``/``cancel`` is recorded in :attr:`ResponsesEngine.reads` / ``cancels``.
+
+:class:`SGLangResponsesEngine` is SGLang's variant of the built-in tool loop
+(``srt/entrypoints/openai/serving_responses.py``, ``_generate_with_builtin_tools``; SGLang
+0.5.23): every turn runs under the same rid, the body's ``request_id``; the tools that start it
+are ``web_search``, ``web_search_preview`` and ``code_interpreter`` (no MCP labels); aborts go to
+SGLang's ``POST /abort_request {"rid"}`` (:class:`tests.kind_engines.SGLangEngine`'s).
 """
 
 from __future__ import annotations
@@ -54,7 +60,7 @@ from typing import Any
 from aiohttp import web
 from pydantic import TypeAdapter, ValidationError
 
-from tests.kind_engines import VLLMEngine, Work, _wait
+from tests.kind_engines import SGLangEngine, VLLMEngine, Work, _wait
 
 RESPONSES = "/v1/responses"
 TURN_FIELD = "_fake_turn"  # which generation turn a Work is (ToolTurns), never sent by a client
@@ -106,16 +112,21 @@ class ToolTurns:
         self.changed.set()
 
 
-def builtin_tools_asked(body: dict[str, Any]) -> bool:
+SGLANG_BUILTIN = frozenset({"web_search", "web_search_preview", "code_interpreter"})
+
+
+def builtin_tools_asked(body: dict[str, Any], builtin: frozenset[str] = BUILTIN,
+                        mcp_labels: bool = True) -> bool:
     """vLLM's ``extract_tool_types`` (``openai/responses/utils.py``) met with a tool server
     that has all three built-in tools: a type in :data:`BUILTIN`, or an ``mcp`` tool whose
-    ``server_label`` is one (the fake's allowlist is those three labels)."""
+    ``server_label`` is one (the fake's allowlist is those three labels). SGLang:
+    ``builtin=SGLANG_BUILTIN, mcp_labels=False``."""
     tools = body.get("tools")
     if not isinstance(tools, list):
         return False
-    types = {tool.get("server_label") if tool.get("type") == "mcp" else tool.get("type")
-             for tool in tools if isinstance(tool, dict)}
-    return bool(types & BUILTIN)
+    types = {tool.get("server_label") if mcp_labels and tool.get("type") == "mcp"
+             else tool.get("type") for tool in tools if isinstance(tool, dict)}
+    return bool(types & builtin)
 
 
 @dataclass
@@ -152,6 +163,9 @@ class ResponsesEngine(VLLMEngine):
             return rid, (f"{rid}_{turn}",)
         return super().derive(path, headers, body)
 
+    def asks_builtin_tools(self, body: dict[str, Any]) -> bool:
+        return builtin_tools_asked(body)
+
     async def stop(self) -> None:
         for background in self.responses.values():
             if background.task is not None:
@@ -170,7 +184,7 @@ class ResponsesEngine(VLLMEngine):
         if body.get("background") and not body.get("store", True):  # validate_background
             return _error(400, "background can only be used when `store` is true")
         if not pydantic_bool(body.get("background")):
-            if "tool_turns" in request.query and builtin_tools_asked(body):
+            if "tool_turns" in request.query and self.asks_builtin_tools(body):
                 return await self._tool_turns(request, body)
             return await self.generate(request)  # an ordinary generation, aborted by id
         work = self.admit(request.path, request.headers, body)
@@ -328,6 +342,26 @@ class ResponsesEngine(VLLMEngine):
             self.abort_ids(list(background.work.engine_ids))
             await asyncio.wait([background.task], timeout=5)
         return web.json_response(dict(background.stored))
+
+
+class SGLangResponsesEngine(ResponsesEngine):
+    """SGLang's built-in tool loop (module docstring): every turn under the body's
+    ``request_id``, aborted through ``POST /abort_request``."""
+
+    kind = "sglang"
+    abort_path = SGLangEngine.abort_path
+    abort = SGLangEngine.abort  # exact live rid, then the prefix match; 200 whatever the id
+
+    def derive(self, path: str, headers: Mapping[str, str], body: dict[str, Any]
+               ) -> tuple[str | None, tuple[str, ...]]:
+        if path == RESPONSES:  # rid=request.request_id, the same for every turn
+            rid = body.get("request_id")
+            rid = rid if isinstance(rid, str) else f"resp_{uuid.uuid4().hex}"
+            return rid, (rid,)
+        return SGLangEngine.derive(self, path, headers, body)  # type: ignore[arg-type]
+
+    def asks_builtin_tools(self, body: dict[str, Any]) -> bool:
+        return builtin_tools_asked(body, SGLANG_BUILTIN, mcp_labels=False)
 
 
 def _error(status: int, message: str) -> web.Response:

@@ -23,7 +23,9 @@ delays        0, 2 ms, 20 ms, 300 ms (default ``abort`` settings: ``resend_windo
               registers one id every ``STAGGER_S``
 routes        streaming chat, JSON chat, a 4-prompt streaming completion, a batch (vLLM
               ``/v1/chat/completions/batch`` with 3 conversations, SGLang ``/generate`` with 3
-              texts), each generating 200 tokens x 20 ms (4 s) once registered
+              texts), and for SGLang a streaming ``/v1/responses`` (its rid is the body's
+              ``request_id``; vLLM's Responses turns: ``test_responses_tool_turns.py``), each
+              generating 200 tokens x 20 ms (4 s) once registered
 instants      after the client's last body byte: 0 (the same loop step), 1 ms, 10 ms, 100 ms;
               relative to the engine: ``engine_has_body`` (the moment it has the whole body),
               ``before_registration`` (``MARGIN_S``, at most half the delay, before the first id
@@ -130,6 +132,7 @@ ROUTES: dict[str, dict[str, tuple[str, dict[str, Any], bool]]] = {
         "chat-json": ("/v1/chat/completions", CHAT_BODY, False),
         "completions-4-prompts": ("/v1/completions", PROMPTS_4, True),
         "generate-batch-3": ("/generate", {"text": ["a", "b", "c"]}, False),
+        "responses-stream": ("/v1/responses", {"input": "hi"}, True),  # rid: the request_id
     },
 }
 FAKES: dict[str, Callable[[], KindEngine]] = {
@@ -500,7 +503,8 @@ async def test_cancel_api_and_deadline_inside_the_registration(
                 case.sent_at = case.left_at = time.monotonic()  # the deadline: no earlier
                 if case.instant == "cancel_api":
                     work = await d.arrived(case.tag)
-                    sidecar_id = work.request_id_header if kind == "vllm" else work.tag
+                    sidecar_id = (work.request_id_header if kind == "vllm"
+                              else (work.tag or "").removeprefix("resp_"))
                     case.left_at = time.monotonic()
                     async with aiohttp.ClientSession() as s, s.post(
                             f"http://127.0.0.1:{d.admin}/v1/requests/{sidecar_id}/cancel") as r:

@@ -8,8 +8,14 @@ every later turn running for nobody behind a middleware that hides the disconnec
 names ``_0`` .. ``_15`` and re-sends them for the engine's ``resend_window_s`` from the
 disconnect, since a turn may be registered long after the body arrived.
 
+SGLang runs the same loop (``serving_responses.py``, ``_generate_with_builtin_tools``) with every
+turn under one rid, the body's ``request_id``, which the sidecar sets to ``resp_{id}``: one id,
+named again by re-sends for the window from the disconnect, catches the turn registered after
+the tool.
+
 The engine is :class:`tests.responses_engine.ResponsesEngine` (its ``tool_turns`` model, written
-from vLLM's source); the sidecar runs through :func:`sidecar.server.start`; the client is a raw
+from vLLM's source) or :class:`~tests.responses_engine.SGLangResponsesEngine`; the sidecar runs
+through :func:`sidecar.server.start`; the client is a raw
 socket that resets or closes at three instants: during the first turn, during a later turn, and
 while a tool runs (turn 0 done, turn 1 not registered yet). The window (0.5 s) is shorter than
 a turn (0.6 s), so the last two instants come after a window counted from the body would have
@@ -25,11 +31,12 @@ from typing import Any
 import pytest
 import pytest_asyncio
 
+from engine.sglang import SGLangAdapter
 from engine.vllm import BUILTIN_TOOL_TURNS, VLLMAdapter
 from sidecar.config import EngineKind, EngineSettings
 from sidecar.server import Servers
 from tests.conftest import sidecar_settings
-from tests.responses_engine import ResponsesEngine, ToolTurns
+from tests.responses_engine import ResponsesEngine, SGLangResponsesEngine, ToolTurns
 from tests.support import WAIT_S, Stalls, raw_client
 
 pytestmark = pytest.mark.timeout(60)
@@ -40,6 +47,8 @@ WINDOW_S = 0.5
 QUERY = f"?tool_turns={TURNS}&tokens={TOKENS}&interval={INTERVAL_S}&tool_s={TOOL_S}"
 VLLM = VLLMAdapter("local", EngineSettings.model_validate({"kind": EngineKind.VLLM,
                                                            "url": "http://e:1"}))
+SGLANG = SGLangAdapter("local", EngineSettings.model_validate({"kind": EngineKind.SGLANG,
+                                                              "url": "http://e:1"}))
 
 
 def _body(tools: list[dict[str, Any]] | None, stream: bool = True) -> bytes:
@@ -63,7 +72,33 @@ def test_ids_name_every_turn_only_with_builtin_tools(tools: Any, turns: int) -> 
     body = json.dumps({"input": "hi", "tools": tools}).encode()
     ids = VLLM.engine_request_ids("POST", RESPONSES, "sid", body)
     assert ids == tuple(f"resp_sid_{k}" for k in range(turns)), f"got {ids}"
-    assert VLLM.registers_later("POST", RESPONSES, ids) is (turns > 1)
+    assert VLLM.registers_later("POST", RESPONSES, ids, body) is (turns > 1)
+
+
+@pytest.mark.parametrize(("tools", "later"), [
+    (None, False),
+    ([{"type": "function", "name": "f", "parameters": {}}], False),
+    ([{"type": "web_search"}], True),
+    ([{"type": "web_search_preview"}], True),
+    ([{"type": "function", "name": "f"}, {"type": "code_interpreter"}], True),
+    ([{"type": "container"}], False),  # vLLM's, not SGLang's
+    ([{"type": "mcp", "server_label": "web_search_preview"}], False),  # no MCP labels in SGLang
+    ("not a list", False),
+])
+def test_sglang_names_one_rid_and_resends_it_only_with_builtin_tools(tools: Any,
+                                                                    later: bool) -> None:
+    """SGLang runs every turn under the body's ``request_id``: the sidecar writes
+    ``resp_{id}`` there and names it alone; with built-in tools, later turns register it again."""
+    body = json.dumps({"input": "hi", "request_id": "client-chosen", "tools": tools}).encode()
+    rewritten = SGLANG.rewrite_body("POST", RESPONSES, "sid", body)
+    assert rewritten is not None and json.loads(rewritten)["request_id"] == "resp_sid", (
+        f"expected the client's request_id replaced, got {rewritten!r}")
+    ids = SGLANG.engine_request_ids("POST", RESPONSES, "sid", rewritten)
+    assert ids == ("resp_sid",), f"got {ids}"
+    assert SGLANG.registers_later("POST", RESPONSES, ids, rewritten) is later
+    escaped = rewritten.replace(b'"tools"', b'"\\u0074ools"')
+    assert SGLANG.registers_later("POST", RESPONSES, ids, escaped) is later, (
+        "a key spelt with JSON escapes must count the same")
 
 
 def test_ids_name_every_turn_of_a_body_spelt_with_escapes() -> None:
@@ -73,12 +108,13 @@ def test_ids_name_every_turn_of_a_body_spelt_with_escapes() -> None:
     assert json.loads(body)["tools"] == [{"type": "web_search_preview"}]  # the premise
     ids = VLLM.engine_request_ids("POST", RESPONSES, "sid", body)
     assert len(ids) == BUILTIN_TOOL_TURNS, f"got {ids}"
-    assert VLLM.registers_later("POST", RESPONSES, ids)
+    assert VLLM.registers_later("POST", RESPONSES, ids, body)
 
 
-@pytest_asyncio.fixture
-async def engine() -> AsyncIterator[ResponsesEngine]:
-    fake = ResponsesEngine(api_key="sekret-key")
+@pytest_asyncio.fixture(params=["vllm", "sglang"])
+async def engine(request: pytest.FixtureRequest) -> AsyncIterator[ResponsesEngine]:
+    fake = (ResponsesEngine if request.param == "vllm" else SGLangResponsesEngine)(
+        api_key="sekret-key")
     await fake.start()
     yield fake
     await fake.stop()
@@ -88,7 +124,8 @@ async def engine() -> AsyncIterator[ResponsesEngine]:
 async def servers(engine: ResponsesEngine, start_sidecar: Callable[..., Any]) -> Servers:
     abort = {"api_key": "sekret-key", "timeout_s": 2.0, "resend_window_s": WINDOW_S}
     started: Servers = await start_sidecar(sidecar_settings(
-        engine.url, engines={"local": {"kind": "vllm", "url": engine.url, "abort": abort}}))
+        engine.url, engines={"local": {"kind": engine.kind, "url": engine.url,
+                                       "abort": abort}}))
     return started
 
 
@@ -129,12 +166,23 @@ async def test_no_turn_runs_on_after_the_client_leaves(
     assert last.stopped_at is not None, f"expected the last turn aborted, got {last}"
     assert len(run.works) < TURNS, f"expected the loop cut short, ran {len(run.works)} turns"
     named = {i for call in engine.calls for i in call.ids}
-    assert named == {f"resp_{sidecar_id}_{k}" for k in range(BUILTIN_TOOL_TURNS)}, (
-        f"expected the calls to name the {BUILTIN_TOOL_TURNS} turns' ids, got {sorted(named)}")
-    if instant == "tool_call":  # turn 1 was registered after the first call: a re-send got it
+    if engine.kind == "vllm":
+        expected = {f"resp_{sidecar_id}_{k}" for k in range(BUILTIN_TOOL_TURNS)}
+    else:  # SGLang: one rid for every turn
+        expected = {run.response_id}
+    assert named == expected, f"expected the calls to name {sorted(expected)}, got {sorted(named)}"
+    if instant == "tool_call" and engine.kind == "vllm":
+        # turn 1 was registered after the first call: a re-send got it
         turn1 = f"resp_{sidecar_id}_1"
         assert len(run.works) == 2 and turn1 in last.ignored and turn1 in last.aborted, (
             f"expected turn 1 named before it existed (ignored), then aborted: {last}")
+    elif instant == "tool_call":  # SGLang: a call while no turn had the rid, then a re-send
+        rid = run.response_id
+        first_done, registered = run.works[0].ran_to_end[rid], last.registered[rid]
+        idle_calls = [c.at for c in engine.calls if first_done < c.at < registered]
+        assert len(run.works) == 2 and idle_calls and rid in last.aborted, (
+            f"expected a call while the tool ran (a no-op), then turn 1 aborted: {last}, "
+            f"calls at {[c.at for c in engine.calls]}")
     if instant != "first_turn":  # the premise: a window counted from the body had closed
         since_body = left - run.works[0].started
         assert since_body > WINDOW_S, f"the client left {since_body:.2f} s after the body"
