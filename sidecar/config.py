@@ -490,10 +490,22 @@ def _userinfo_end(text: str, loc: tuple[Hashable, ...]) -> int:
     return len(head) if at and (":" in head or "url" in _names(loc)) else -1
 
 
+def _query_start(text: str, loc: tuple[Hashable, ...]) -> int:
+    """Where the query (``?``) or fragment (``#``) of a ``url`` value starts, or -1: a token
+    passed as ``?key=...`` is a secret like a password (the url is refused for it anyway)."""
+    if "url" not in _names(loc):
+        return -1
+    return min((i for i in (text.find("?"), text.find("#")) if i >= 0), default=-1)
+
+
 def _mask_userinfo(text: str, loc: tuple[Hashable, ...]) -> str:
-    """``text`` with everything before its userinfo's ``@`` replaced by ``***``."""
+    """``text`` with everything before its userinfo's ``@`` replaced by ``***``, and for a
+    ``url`` value everything after its ``?`` or ``#`` (:func:`_query_start`)."""
     end = _userinfo_end(text, loc)
-    return text if end < 0 else "***" + text[end:]
+    if end >= 0:
+        text = "***" + text[end:]
+    query = _query_start(text, loc)
+    return text if query < 0 else text[:query + 1] + "***"
 
 
 # Every key some section of the schema knows: the value of any other key is never rendered.
@@ -528,6 +540,8 @@ def _secrets(tree: Any, loc: tuple[Hashable, ...] = ()) -> set[str]:
     if not isinstance(tree, str):
         return set()
     found = {tree} if _is_secret(loc) else set()
+    if (query := _query_start(tree, loc)) >= 0:
+        found.add(tree[query + 1:])
     end = _userinfo_end(tree, loc)
     if end >= 0:
         head = tree[:end]

@@ -254,6 +254,20 @@ def test_userinfo_of_url_like_values_is_masked_whatever_the_form(value: str) -> 
         assert "***@127.0.0.1:8000" in message, f"expected the host still shown, got:\n{message}"
 
 
+@pytest.mark.parametrize("url", [
+    f"http://127.0.0.1:8000/?token={PASSWORD}", f"http://127.0.0.1:8000?api_key={PASSWORD}&x=1",
+    f"http://127.0.0.1:8000/#{PASSWORD}", f"ftp://127.0.0.1:8000/?token={PASSWORD}",
+    f"http://alice:x?{PASSWORD}@127.0.0.1:8000/?q=1",  # a '?' in the password: userinfo first
+])
+def test_a_urls_query_is_masked_where_the_url_is_refused(url: str) -> None:
+    """A key passed as a query parameter is a secret like a password: the url is refused (an
+    origin has no query) without echoing it."""
+    message = problems_of(f"engines:\n  a: {{kind: vllm, url: '{url}'}}\n{ROUTES}")
+    assert "  - engines.a.url:" in message, f"expected a problem at engines.a.url, got:\n{message}"
+    assert PASSWORD not in message, f"the query's key leaked:\n{message}"
+    assert "127.0.0.1:8000" in message, f"expected the host still shown, got:\n{message}"
+
+
 def test_values_with_an_at_sign_but_no_userinfo_stay_readable() -> None:
     """An @ with no ':' before it, outside a url, is no userinfo (an e-mail address)."""
     message = problems_of(f"{ENGINE}routes: [{{prefix: /, engine: ops@example.com}}]\n",
