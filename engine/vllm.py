@@ -25,6 +25,12 @@ Facts (vLLM 0.32, read in the installed source and proven on a real engine by ``
                                                                     serving.py``
   ``/invocations``                  as chat if the body has         ``serve/sagemaker/
                                     ``messages``, else completions  api_router.py``
+  ``/cohere/v2/chat``               ``chatcmpl-{id}``               ``cohere/serving.py``
+  ``/v1/audio/transcriptions``      ``transcribe-{id}``, ``-{id}-   ``speech_to_text/base/
+                                    lang_detect``, ``-{id}-{i}``,   serving.py``
+                                    i < 64 (:data:`AUDIO_CHUNKS`)
+  ``/v1/audio/translations``        the same with ``translate-``    ``speech_to_text/base/
+                                                                    serving.py``
   ================================  ==============================  ===============================
 
   C is the number of conversations in ``messages``. P is the number of prompts: one for a string
@@ -157,6 +163,26 @@ def _responses(sid: str, body: Any) -> tuple[str, ...]:
     return tuple(f"resp_{sid}_{turn}" for turn in range(turns))
 
 
+# The parsed JSON body (None if absent, too large or not JSON) -> engine request ids.
+IdRule = Callable[[str, Any], tuple[str, ...]]
+
+
+# Speech to text: audio longer than the model's ``max_audio_clip_s`` (30 s for Whisper) is split
+# into chunks, one engine request each, all generating at once, plus a language detection run
+# before them when no ``language`` is given (``speech_to_text/base/serving.py``: ``request_id =
+# f"{task_type}-{_base_request_id(raw_request)}"``, ``engine_request_ids``, ``_detect_language``;
+# ``merge_async_iterators``). The chunk count depends on the audio, which the sidecar does not
+# decode: it names the first ``AUDIO_CHUNKS`` (32 min of 30 s chunks; vLLM ignores unknown ids).
+AUDIO_CHUNKS = 64
+
+
+def _speech_to_text(task_type: str) -> IdRule:
+    def rule(sid: str, body: Any) -> tuple[str, ...]:
+        base = f"{task_type}-{sid}"
+        return (base, f"{base}-lang_detect", *(f"{base}-{i}" for i in range(AUDIO_CHUNKS)))
+    return rule
+
+
 def _generate(sid: str, body: Any) -> tuple[str, ...]:
     return (f"generate-tokens-{sid}",)
 
@@ -171,8 +197,6 @@ def _invocations(sid: str, body: Any) -> tuple[str, ...]:
     return ()
 
 
-# The parsed JSON body (None if absent, too large or not JSON) -> engine request ids.
-IdRule = Callable[[str, Any], tuple[str, ...]]
 
 # POST path -> (needs the body?, rule). Only POSTs generate.
 ROUTES: dict[str, tuple[bool, IdRule]] = {
@@ -183,6 +207,9 @@ ROUTES: dict[str, tuple[bool, IdRule]] = {
     "/v1/responses": (True, _responses),
     "/inference/v1/generate": (False, _generate),
     "/invocations": (True, _invocations),
+    "/cohere/v2/chat": (False, _chat),  # VLLM_ENABLE_COHERE_API=1: a chat request inside
+    "/v1/audio/transcriptions": (False, _speech_to_text("transcribe")),
+    "/v1/audio/translations": (False, _speech_to_text("translate")),
 }
 
 # Routes whose first streamed body byte comes after the engine registered the request (vLLM 0.32:

@@ -35,7 +35,9 @@ their last token un-aborted.
   ``/v1/chat/completions`` runs as ``chatcmpl-{id}``, ``/v1/completions`` as ``cmpl-{id}-{i}``
   one per prompt (``-0`` for a single prompt), ``/v1/chat/completions/batch`` (``messages`` a
   list of conversations) as ``chatcmpl-{id}_{i}`` one per conversation, ``/inference/v1/generate``
-  as ``generate-tokens-{id}``. ``POST /inference/v1/abort_requests {"request_ids": [...]}`` aborts
+  as ``generate-tokens-{id}``; speech to text (a multipart form) as ``transcribe-{id}`` or
+  ``translate-{id}``, ``-{i}`` per chunk with the form field ``fake_chunks`` > 1.
+  ``POST /inference/v1/abort_requests {"request_ids": [...]}`` aborts
   exactly the named live ids, ignores unknown ones, answers 200; without ``--enable-scale-out``
   (``scale_out=False``) the route answers 403 to every call.
 - :class:`SGLangEngine` (``tests/sglang_facts.md``, SGLang 0.5.23): the id is the body's ``rid``
@@ -363,12 +365,20 @@ class KindEngine:
         head = Head(request.path, request.headers, time.monotonic())
         self.heads.append(head)
         self.watch.changed()
-        raw = await request.read()
+        body: Any
+        if request.content_type.startswith("multipart/"):  # speech to text: a form
+            form = await request.post()
+            body = {k: v for k, v in form.items() if isinstance(v, str)}
+            for v in form.values():
+                if isinstance(v, web.FileField):
+                    v.file.close()  # the audio: not read
+            body["stream"] = body.get("stream") == "true"
+        else:
+            try:
+                body = json.loads(await request.read())
+            except ValueError:
+                body = None
         head.whole = True
-        try:
-            body = json.loads(raw)
-        except ValueError:
-            body = None
         if not isinstance(body, dict):
             return web.json_response({"error": {"message": "body must be a JSON object"}},
                                      status=400)
@@ -459,7 +469,7 @@ class VLLMEngine(KindEngine):
 
     kind = "vllm"
     generating = ("/v1/chat/completions", "/v1/chat/completions/batch", "/v1/completions",
-                  "/inference/v1/generate")
+                  "/inference/v1/generate", "/v1/audio/transcriptions", "/v1/audio/translations")
     abort_path = "/inference/v1/abort_requests"
 
     def __init__(self, api_key: str | None = None, *, scale_out: bool = True,
@@ -482,6 +492,10 @@ class VLLMEngine(KindEngine):
             many = isinstance(prompt, list) and prompt and not isinstance(prompt[0], int)
             count = len(prompt) if many and isinstance(prompt, list) else 1
             return rid, tuple(f"cmpl-{rid}-{i}" for i in range(count))
+        if path.startswith("/v1/audio/"):  # one id per 30 s chunk (the form's fake_chunks)
+            base = f"{'transcribe' if path.endswith('transcriptions') else 'translate'}-{rid}"
+            chunks = int(body.get("fake_chunks", 1))
+            return rid, (base,) if chunks == 1 else tuple(f"{base}-{i}" for i in range(chunks))
         return rid, (f"generate-tokens-{rid}",)
 
     def _add_abort_route(self) -> None:

@@ -136,7 +136,9 @@ class RawClient:
         lines = [f"{method} {path} HTTP/1.1", "Host: sidecar"]
         lines += [f"{k}: {v}" for k, v in headers]
         if content_length is not None:
-            lines += ["Content-Type: application/json", f"Content-Length: {content_length}"]
+            if not any(k.lower() == "content-type" for k, _ in headers):
+                lines.append("Content-Type: application/json")
+            lines.append(f"Content-Length: {content_length}")
         self.writer.write(("\r\n".join(lines) + "\r\n\r\n").encode("latin-1"))
 
     def send(self, method: str, path: str, body: bytes | None = None,

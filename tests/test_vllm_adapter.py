@@ -48,6 +48,8 @@ def ids(path: str, body: Any, sid: str = SID, method: str = "POST") -> tuple[str
      (f"chatcmpl-{SID}",)),
     ("/v1/chat/completions", {"stream": True, "n": 4}, (f"chatcmpl-{SID}",)),
     ("/v1/chat/completions", None, (f"chatcmpl-{SID}",)),
+    ("/cohere/v2/chat", {"messages": [{"role": "user", "content": "hi"}]},
+     (f"chatcmpl-{SID}",)),  # turned into a chat request (cohere/serving.py)
     ("/inference/v1/generate", {"token_ids": [1, 2, 3]}, (f"generate-tokens-{SID}",)),
     ("/inference/v1/generate", b"not json", (f"generate-tokens-{SID}",)),
     # A single prompt is still "-0" (vLLM numbers every engine input).
@@ -214,9 +216,13 @@ def _expected_shape(path: str, sid: str, got: tuple[str, ...]) -> tuple[str, ...
     numbered = {"/v1/chat/completions/batch": f"chatcmpl-{sid}_{{}}",
                 "/v1/completions": f"cmpl-{sid}-{{}}"}
     single = {"/v1/chat/completions": f"chatcmpl-{sid}", "/v1/messages": f"chatcmpl-{sid}",
+              "/cohere/v2/chat": f"chatcmpl-{sid}",
               "/v1/responses": f"resp_{sid}_0", "/inference/v1/generate": f"generate-tokens-{sid}"}
     if path in single:
         return (single[path],)
+    if path.startswith("/v1/audio/"):  # the base, language detection, the first 64 chunks
+        base = f"{'transcribe' if path.endswith('transcriptions') else 'translate'}-{sid}"
+        return (base, f"{base}-lang_detect", *(f"{base}-{i}" for i in range(64)))
     if path == "/invocations":  # as chat, as completions, or nothing when the body says neither
         if got == (f"chatcmpl-{sid}",) or not got:
             return got
