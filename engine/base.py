@@ -101,8 +101,9 @@ class Unabortable(enum.StrEnum):
     SGLANG_N_SAMPLES = "sglang_n_samples"
     # vLLM beam search submits ``{base}-{random}-beam-{k}`` per step (use_beam_search: true).
     VLLM_BEAM_SEARCH = "vllm_beam_search"
-    # A body-rewriting route (SGLang ``rid``, vLLM ``/v1/responses``) got a body over
-    # ``upstream.replay_buffer_bytes``: relayed unrewritten, so the engine picked the id.
+    # A body-rewriting route (SGLang ``rid`` and ``/v1/responses``, vLLM ``/v1/responses``) got
+    # a body over ``upstream.replay_buffer_bytes``: relayed unrewritten, so the engine picked
+    # the id.
     BODY_OVER_REPLAY_BUFFER = "body_over_replay_buffer"
 
     @property

@@ -29,12 +29,17 @@ Facts, vLLM 0.32 (``vllm/entrypoints/openai/responses/``):
   cancels the task, which aborts the engine request). No other vLLM route runs work in the
   background (``grep -r create_task vllm/entrypoints``).
 
-SGLang (``sglang/srt/entrypoints/openai/serving_responses.py``, GitHub main 2026-12, adapted
-from vLLM's): ``ResponsesRequest.background: Optional[bool] = False``; a background request is
-stored and run in a task, answered with its ``queued`` JSON at once (``stream`` is ignored
-then), and its ``GenerateReqInput(background=True)`` skips the tokenizer manager's own
-disconnect abort (``managers/tokenizer_manager.py``, ``_wait_one_response``: ``not
-obj.background and await request.is_disconnected()``). The same ``GET`` and ``/cancel`` routes.
+SGLang 0.5.23 (``sglang/srt/entrypoints/openai/serving_responses.py``, ``_create_responses``,
+adapted from vLLM's): ``ResponsesRequest.background: Optional[bool] = False``; a background
+request is refused (400) without ``--enable-response-store`` or with ``store`` false as pydantic
+reads it (``"false"`` included: ``not request.store``). Only a background request that does not
+stream is stored and run in a task, answered with its ``queued`` JSON at once, and its
+``GenerateReqInput(background=True)`` skips the tokenizer manager's own disconnect abort
+(``managers/tokenizer_manager.py``, ``_wait_one_response``: ``not obj.background and await
+request.is_disconnected()``). One that streams is an ordinary stream on its connection
+(``background=request.background and not request.stream``: "background+stream streams on this
+connection, so don't detach"), so it is aborted like any other. The same ``GET`` and
+``/cancel`` routes.
 """
 
 from __future__ import annotations
@@ -55,13 +60,17 @@ def retrieves_response(method: str, path: str) -> bool:
     return bool(response_id) and "/" not in response_id
 
 
-def kept(method: str, path: str, body: bytes | None, *, refuses_unstored: bool) -> Kept | None:
+def kept(method: str, path: str, body: bytes | None, *, store_read_raw: bool,
+         stream_detaches: bool) -> Kept | None:
     """The :class:`Kept` reason for a request the engine keeps after its client leaves:
     ``background_response`` for ``POST /v1/responses`` whose ``body`` (the request body copy;
-    ``None``: not known, not kept) asks for ``background``, unless ``refuses_unstored`` and its
-    raw ``store`` is falsy (vLLM answers 400: it never runs); ``response_retrieval`` for ``GET
-    /v1/responses/{id}``; else ``None``. A substring test first: most bodies are never parsed
-    (one with a ``\\u`` escape anywhere is: a key may be spelt with escapes)."""
+    ``None``: not known, not kept) asks for ``background`` and that the engine runs in the
+    background: not one it refuses for its ``store`` (falsy as raw JSON with ``store_read_raw``,
+    vLLM's ``validate_background``; else false as a pydantic bool, SGLang's), and, unless
+    ``stream_detaches``, not one that streams (SGLang streams it on its connection);
+    ``response_retrieval`` for ``GET /v1/responses/{id}``; else ``None``. A substring test first:
+    most bodies are never parsed (one with a ``\\u`` escape anywhere is: a key may be spelt with
+    escapes)."""
     if retrieves_response(method, path):
         return Kept.RESPONSE_RETRIEVAL
     if (method != "POST" or path != RESPONSES_PATH or body is None
@@ -70,7 +79,10 @@ def kept(method: str, path: str, body: bytes | None, *, refuses_unstored: bool) 
     parsed = parse_json(body)
     if not isinstance(parsed, dict) or not lax_bool(parsed.get("background")):
         return None
-    if refuses_unstored and not parsed.get("store", True):
+    store = parsed.get("store", True)
+    if not (store if store_read_raw else lax_bool(store)):
+        return None  # refused with 400: it never runs
+    if not stream_detaches and lax_bool(parsed.get("stream")):
         return None
     return Kept.BACKGROUND_RESPONSE
 
@@ -82,3 +94,9 @@ def may_name_tools(body: bytes | None, types: Iterable[str]) -> bool:
     spelt with escapes."""
     return body is not None and (b"\\u" in body or (b'"tools"' in body and any(
         kind.encode() in body for kind in types)))
+
+
+def tool_type(value: object) -> str | None:
+    """A ``tools[]`` entry's ``type`` (or label) if it is a string, else ``None``: a malformed
+    body (``"type": ["web_search"]``) must not make a set lookup raise."""
+    return value if isinstance(value, str) else None

@@ -35,11 +35,15 @@ and function, and where issue 4's claims hold):
   built-in tools (``tools[].type`` ``web_search``, ``web_search_preview`` or
   ``code_interpreter``: :data:`BUILTIN_TOOL_TYPES`), ``_generate_with_builtin_tools`` runs a
   generation turn per tool call, every one under that same rid, the next registered only after
-  the tool answered (``while True``, no bound): such a request is re-sent for the registration
-  window from the disconnect (:meth:`SGLangAdapter.registers_later`). A background one
-  (``"background": true``) is kept by SGLang on purpose after the client leaves, and a ``GET
-  /v1/responses/{id}`` reads a stored one: :meth:`SGLangAdapter.kept_after_disconnect` says so,
-  for the count and the access line (facts in :mod:`engine.responses`).
+  the tool answered (``while True``, no bound; only for a harmony model with a tool server,
+  otherwise the re-sends below are merely spare): such a request is re-sent for the
+  registration window from the disconnect (:meth:`SGLangAdapter.registers_later`). The client's
+  own ``request_id`` is replaced, and SGLang makes it the response's id: the client learns
+  ``resp_{id}`` from the response. A background one that does not stream (``"background":
+  true``) is kept by SGLang on purpose after the client leaves (one that streams is an ordinary
+  stream there, aborted), and a ``GET /v1/responses/{id}`` reads a stored one:
+  :meth:`SGLangAdapter.kept_after_disconnect` says so, for the count and the access line (facts
+  in :mod:`engine.responses`).
 - One rid per call (``rid`` is ``Optional[str]``): ``max_ids_per_call = 1``. Never
   ``abort_all``; clients may not reach the endpoints that abort others' work.
 """
@@ -59,7 +63,7 @@ from engine.base import (
     parse_json,
     with_field,
 )
-from engine.responses import RESPONSES_PATH, kept, may_name_tools
+from engine.responses import RESPONSES_PATH, kept, may_name_tools, tool_type
 from sidecar.config import EngineKind, EngineSettings
 
 log = logging.getLogger(__name__)
@@ -87,7 +91,8 @@ def builtin_tools(body: bytes | None) -> bool:
     parsed = parse_json(body)
     tools = parsed.get("tools") if isinstance(parsed, dict) else None
     return isinstance(tools, list) and any(
-        isinstance(tool, dict) and tool.get("type") in BUILTIN_TOOL_TYPES for tool in tools)
+        isinstance(tool, dict) and tool_type(tool.get("type")) in BUILTIN_TOOL_TYPES
+        for tool in tools)
 
 
 
@@ -192,9 +197,11 @@ class SGLangAdapter(EngineAdapter):
         return method == "POST" and path == RESPONSES_PATH and builtin_tools(body)
 
     def kept_after_disconnect(self, method: str, path: str, body: bytes | None) -> Kept | None:
-        """``background_response`` for a background ``POST /v1/responses``,
-        ``response_retrieval`` for ``GET /v1/responses/{id}`` (:mod:`engine.responses`)."""
-        return kept(method, path, body, refuses_unstored=False)
+        """``background_response`` for a background ``POST /v1/responses`` that SGLang runs in the
+        background (not one that streams: SGLang streams it on its connection; not one it refuses
+        for ``store``), ``response_retrieval`` for ``GET /v1/responses/{id}``
+        (:mod:`engine.responses`)."""
+        return kept(method, path, body, store_read_raw=False, stream_detaches=False)
 
     def engine_request_ids(
         self, method: str, path: str, sidecar_id: str, body: bytes | None

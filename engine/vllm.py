@@ -85,7 +85,7 @@ from engine.base import (
     parse_json,
     with_field,
 )
-from engine.responses import RESPONSES_PATH, kept, may_name_tools
+from engine.responses import RESPONSES_PATH, kept, may_name_tools, tool_type
 from sidecar.config import EngineKind
 
 REQUEST_ID_HEADER = "X-Request-Id"
@@ -147,8 +147,8 @@ def builtin_tools(body: Any) -> bool:
     then run a generation turn per tool call, each under an id of its own."""
     tools = body.get("tools") if isinstance(body, dict) else None
     return isinstance(tools, list) and any(
-        isinstance(tool, dict) and (tool.get("server_label") if tool.get("type") == "mcp"
-                                    else tool.get("type")) in BUILTIN_TOOL_TYPES
+        isinstance(tool, dict) and tool_type(tool.get("server_label") if tool.get("type") == "mcp"
+                                             else tool.get("type")) in BUILTIN_TOOL_TYPES
         for tool in tools)
 
 
@@ -282,7 +282,7 @@ class VLLMAdapter(EngineAdapter):
         """``background_response`` for a background ``POST /v1/responses`` that vLLM runs (not
         one it refuses: ``store`` falsy), ``response_retrieval`` for ``GET /v1/responses/{id}``
         (:mod:`engine.responses`)."""
-        return kept(method, path, body, refuses_unstored=True)
+        return kept(method, path, body, store_read_raw=True, stream_detaches=True)
 
     def rewrites_body(self, method: str, path: str) -> bool:
         return method == "POST" and path == RESPONSES_PATH

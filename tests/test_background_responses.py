@@ -36,7 +36,7 @@ from engine.vllm import VLLMAdapter
 from sidecar.config import EngineKind, EngineSettings
 from sidecar.server import Servers
 from tests.conftest import sidecar_settings
-from tests.kind_engines import Work
+from tests.kind_engines import SGLangEngine, Work
 from tests.responses_engine import Background, ResponsesEngine
 from tests.support import WAIT_S, Stalls, metrics, raw_client, sample, settle
 
@@ -66,7 +66,10 @@ def _body(**fields: Any) -> bytes:
 # (method, path, body, vLLM's answer, SGLang's answer)
 DECISIONS: list[tuple[str, str, bytes | None, Kept | None, Kept | None]] = [
     ("POST", RESPONSES, _body(background=True), BG, BG),
-    ("POST", RESPONSES, _body(background=True, stream=True), BG, BG),
+    # SGLang streams a background request on its connection (not detached): aborted there
+    ("POST", RESPONSES, _body(background=True, stream=True), BG, None),
+    ("POST", RESPONSES, _body(background=True, stream="true"), BG, None),
+    ("POST", RESPONSES, _body(background=True, stream=False), BG, BG),
     # pydantic lax bools, as both engines' ResponsesRequest.background reads them
     ("POST", RESPONSES, _body(background="true"), BG, BG),
     ("POST", RESPONSES, _body(background=1), BG, BG),
@@ -79,11 +82,12 @@ DECISIONS: list[tuple[str, str, bytes | None, Kept | None, Kept | None]] = [
     ("POST", RESPONSES, _body(background="maybe"), None, None),
     ("POST", RESPONSES, _body(), None, None),
     ("POST", RESPONSES, _body(input="background"), None, None),
-    # vLLM's validate_background refuses a raw falsy store (400, never runs); "false" passes it
-    ("POST", RESPONSES, _body(background=True, store=False), None, BG),
-    ("POST", RESPONSES, _body(background=True, store=None), None, BG),
-    ("POST", RESPONSES, _body(background=True, store=0), None, BG),
-    ("POST", RESPONSES, _body(background=True, store="false"), BG, BG),
+    # vLLM's validate_background refuses a raw falsy store (400, never runs); "false" passes it.
+    # SGLang refuses a store false as pydantic reads it ("false" too): never runs either
+    ("POST", RESPONSES, _body(background=True, store=False), None, None),
+    ("POST", RESPONSES, _body(background=True, store=None), None, None),
+    ("POST", RESPONSES, _body(background=True, store=0), None, None),
+    ("POST", RESPONSES, _body(background=True, store="false"), BG, None),
     ("POST", RESPONSES, _body(background=True, store=True), BG, BG),
     # a JSON encoder may escape any character: the same request as background true
     ("POST", RESPONSES, rb'{"input": "hi", "\u0062ackground": true}', BG, BG),
@@ -374,3 +378,37 @@ async def test_sidecar_ending_a_background_stream_does_not_abort_it(
     fields = access.lines[sidecar_id]
     assert (fields["abort"], fields["kept_by_engine"]) == (None, BG), (
         f"expected no abort and kept_by_engine {BG}, got {fields}")
+
+
+@pytest.mark.parametrize(("stream", "aborted"), [(True, True), (False, False)])
+async def test_sglang_keeps_a_background_response_only_when_it_does_not_stream(
+        stream: bool, aborted: bool, start_sidecar: Callable[..., Any], stalls: Stalls) -> None:
+    """SGLang 0.5.23 detaches a background request only when it does not stream
+    (``background=request.background and not request.stream``): a streaming one runs on its
+    connection like any stream, so its client's departure aborts it (``resp_{id}``, the
+    ``request_id`` the sidecar wrote); a JSON one is left to run. Checked at the fake SGLang."""
+    fake = SGLangEngine("sekret-key")
+    await fake.start()
+    try:
+        servers = await start_sidecar(sidecar_settings(fake.url, engines={"local": {
+            "kind": "sglang", "url": fake.url, "abort": {"api_key": "sekret-key"}}}))
+        body = json.dumps({"input": "hi", "background": True, "stream": stream}).encode()
+        async with raw_client(servers.proxy_port, stalls) as client:
+            client.send("POST", RESPONSES + "?tokens=200&interval=0.02", body)
+            running = await fake.watch.until(
+                lambda: bool(fake.works) and fake.works[-1].registered_at is not None, WAIT_S)
+            assert running, "the request never ran at the engine"
+            work = fake.works[-1]
+            client.disconnect("rst")
+        if aborted:
+            stopped = await fake.watch.until(lambda: work.stopped_at is not None, WAIT_S)
+            assert stopped and work.tag and work.tag.startswith("resp_"), (
+                f"expected the streaming background request aborted by its rid, got {work}")
+            assert [i for c in fake.calls for i in c.ids] == [work.tag], fake.calls
+        else:
+            await fake.watch.until(lambda: bool(fake.calls), 0.5)  # an abort would come now
+            await settle(servers.proxy_port)
+            assert not fake.calls and work.stopped_at is None, (
+                f"expected the background response left running, got calls {fake.calls}")
+    finally:
+        await fake.stop()

@@ -101,6 +101,20 @@ def test_sglang_names_one_rid_and_resends_it_only_with_builtin_tools(tools: Any,
         "a key spelt with JSON escapes must count the same")
 
 
+@pytest.mark.parametrize("tools", [
+    [{"type": ["code_interpreter"]}], [{"type": {"web_search": 1}}],
+    [{"type": "mcp", "server_label": ["web_search_preview"]}],
+])
+def test_malformed_tool_types_never_raise(tools: list[dict[str, Any]]) -> None:
+    """A ``type`` that is not a string (the engine answers 400) counts as no built-in tool; it
+    never makes the abort plan raise (which would leave the request unaborted)."""
+    body = json.dumps({"input": "hi", "tools": tools}).encode()
+    for adapter, single in ((VLLM, ("resp_sid_0",)), (SGLANG, ("resp_sid",))):
+        ids = adapter.engine_request_ids("POST", RESPONSES, "sid", body)
+        assert ids == single, f"{adapter.kind}: got {ids}"
+        assert adapter.registers_later("POST", RESPONSES, ids, body) is False
+
+
 def test_ids_name_every_turn_of_a_body_spelt_with_escapes() -> None:
     """A JSON encoder may escape any character (the substring test before the parse must not
     be fooled): the same request as ``tools: [{"type": "web_search_preview"}]``."""

@@ -25,6 +25,7 @@ from tests.kind_engines import SGLangEngine
 
 SID = "0123456789abcdef0123456789abcdef"
 ROUTES = ("/generate", "/v1/completions", "/v1/chat/completions")
+RESPONSES = "/v1/responses"  # its id is the body's request_id, not rid
 
 
 def adapter() -> SGLangAdapter:
@@ -126,8 +127,37 @@ def test_rewrite_sets_the_minted_rid(path: str, body: dict[str, Any]) -> None:
         k: v for k, v in body.items() if k != "rid"}, "other fields changed"
 
 
+TOOLS = st.lists(st.dictionaries(st.sampled_from(["type", "server_label", "name"]),
+                                 st.sampled_from(["web_search", "web_search_preview",
+                                                  "code_interpreter", "mcp", "function"]) | JSON,
+                                 max_size=3), max_size=3) | JSON
+
+
+@settings(max_examples=300, deadline=None)
+@given(body=st.dictionaries(st.sampled_from(["request_id", "tools", "background", "stream",
+                                             "store", "input"]) | st.text(),
+                            JSON, max_size=5).flatmap(
+           lambda b: st.builds(lambda t: {**b, "tools": t}, TOOLS) if "tools" in b
+           else st.just(b)),
+       raw=st.none() | st.binary(max_size=120))
+def test_responses_rewrite_ids_and_resends_never_raise(body: dict[str, Any],
+                                                       raw: bytes | None) -> None:
+    """``/v1/responses``: ``request_id`` set to ``resp_{id}``, one id, and no input (a malformed
+    ``tools``: ``"type": ["web_search"]``; bytes that are not JSON) makes an adapter call raise."""
+    data = json.dumps(body).encode() if raw is None else raw
+    new = ADAPTER.rewrite_body("POST", RESPONSES, SID, data)
+    if raw is None:
+        assert new is not None and json.loads(new)["request_id"] == f"resp_{SID}", new
+    sent = data if new is None else new
+    got = ADAPTER.engine_request_ids("POST", RESPONSES, SID, sent)
+    assert got == (f"resp_{SID}",), got
+    ADAPTER.registers_later("POST", RESPONSES, got, sent)
+    ADAPTER.kept_after_disconnect("POST", RESPONSES, sent)
+
+
 @settings(max_examples=200, deadline=None)
-@given(requests=st.lists(st.tuples(st.uuids(version=4), st.sampled_from(ROUTES), BODY_OBJECTS),
+@given(requests=st.lists(st.tuples(st.uuids(version=4), st.sampled_from((*ROUTES, RESPONSES)),
+                                   BODY_OBJECTS),
                          min_size=2, max_size=6, unique_by=lambda r: r[0]))
 def test_ids_of_concurrent_requests_never_prefix_each_other(
         requests: list[tuple[uuid.UUID, str, dict[str, Any]]]) -> None:
