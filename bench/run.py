@@ -99,6 +99,9 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--storm-interval-ms", type=lambda t: [float(x) for x in t.split(",")],
                    default=None, help="ms per token in the storm, one storm each (default: "
                                       "--interval-ms and 100)")
+    p.add_argument("--storm-reps", type=int, default=None,
+                   help="storms per path and token interval, interleaved; their closes are "
+                        "pooled (default 3; 1 with --quick)")
     p.add_argument("--close", choices=["rst", "fin"], default="rst",
                    help="how storm clients close: RST (SO_LINGER 0) or FIN (default rst)")
     p.add_argument("--paths", default="direct,sidecar,nginx",
@@ -121,6 +124,7 @@ def defaults(args: argparse.Namespace) -> None:
     args.idle = args.idle or ([50] if q else [1000, 10000])
     args.storm = args.storm or (20 if q else 1000)
     args.storm_interval_ms = args.storm_interval_ms or sorted({args.interval_ms, 100.0})
+    args.storm_reps = args.storm_reps or (1 if q else 3)
     if q:
         args.tokens = min(args.tokens, 25)
         args.no_vllm = True
@@ -319,23 +323,30 @@ class Bench:
         self.results["phases"]["idle"] = out
 
     async def phase_storm(self) -> None:
-        """The storm once per ``--storm-interval-ms``: at the streams' interval (1,000 streams
-        at 20 ms offer 50,000 events/s, more than a Python proxy holds on 2 cores, so it
-        measures a disconnect behind a backlog) and at a rate every path holds."""
+        """The storm ``--storm-reps`` times per ``--storm-interval-ms`` and path, the paths in
+        turn within each repetition: at the streams' interval (1,000 streams at 20 ms offer
+        50,000 events/s, more than a Python proxy holds on 2 cores, so it measures a disconnect
+        behind a backlog) and at a rate every path holds. One storm's p99 is nearly its 5th
+        slowest close and moves 2x between storms on this shared box: the figures pool every
+        storm's closes (:func:`pool_storms`), and each storm's p99 is kept."""
         assert self.client is not None and self.engine is not None
         n = self.args.storm
         out: dict[str, Any] = {}
         for interval_ms in self.args.storm_interval_ms:
-            per: dict[str, Any] = {}
-            for path in self.storm_paths:
-                await self.reset_engine()
-                r = await self.measured(path, functools.partial(
-                    self.client.call, "storm", port=self.port(path), n=n, close=n // 2,
-                    interval_us=round(interval_ms * 1000), how=self.args.close, settle_s=1.5))
-                _, records = await http_get(self.engine.port, "/bench/records")
-                per[path] = storm_figures(r, records)
-                log(f"storm    {path:<10} {interval_ms} ms/token {per[path]['summary']}")
-            out[f"{interval_ms:g}"] = per
+            storms: dict[str, list[dict[str, Any]]] = {p: [] for p in self.storm_paths}
+            for rep in range(self.args.storm_reps):
+                for path in self.storm_paths:
+                    await self.reset_engine()
+                    r = await self.measured(path, functools.partial(
+                        self.client.call, "storm", port=self.port(path), n=n, close=n // 2,
+                        interval_us=round(interval_ms * 1000), how=self.args.close,
+                        settle_s=1.5))
+                    _, records = await http_get(self.engine.port, "/bench/records")
+                    storms[path].append(storm_figures(r, records))
+                    log(f"storm    {path:<10} {interval_ms} ms/token #{rep + 1} "
+                        f"{storms[path][-1]['summary']}")
+            out[f"{interval_ms:g}"] = {path: pool_storms(figures)
+                                      for path, figures in storms.items()}
         self.results["phases"]["storm"] = out
 
     async def phase_profile(self) -> None:
@@ -417,7 +428,27 @@ def storm_figures(result: dict[str, Any], records: dict[str, Any]) -> dict[str, 
             "abort_ms": spread(abort_ms), "upstream_close_ms": spread(close_ms),
             "aborted": len(abort_ms), "upstream_closed": len(close_ms),
             "abort_calls": len(records["aborts"]), "ids_per_call": calls,
+            "samples": {"abort_ms": abort_ms, "upstream_close_ms": close_ms},
             "summary": f"abort {spread(abort_ms)} upstream close {spread(close_ms)}"}
+
+
+def pool_storms(storms: list[dict[str, Any]]) -> dict[str, Any]:
+    """One path's storms (:func:`storm_figures` each) as one figure: p50/p99/max over every
+    closed stream of every storm, counts summed, the closes' spread and the proxy's CPU as the
+    median storm's, and each storm's own p99 (``*_p99_per_storm``)."""
+    def median(values: list[float]) -> float:
+        return sorted(values)[len(values) // 2]
+
+    pooled: dict[str, Any] = {"storms": len(storms)}
+    for key in ("closed", "open", "errors", "aborted", "upstream_closed", "abort_calls"):
+        pooled[key] = sum(s[key] for s in storms)
+    pooled["close_spread_ms"] = median([s["close_spread_ms"] for s in storms])
+    pooled["cpu_s"] = {name: median([s["cpu_s"].get(name) or 0.0 for s in storms])
+                       for name in storms[0]["cpu_s"]}
+    for key in ("abort_ms", "upstream_close_ms"):
+        pooled[key] = spread([v for s in storms for v in s["samples"][key]])
+        pooled[f"{key}_p99_per_storm"] = [s[key].get("p99") for s in storms]
+    return pooled
 
 
 def spread(values: list[float]) -> dict[str, float]:

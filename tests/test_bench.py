@@ -13,7 +13,7 @@ from typing import Any
 import pytest
 
 from bench import report
-from bench.run import held, storm_figures
+from bench.run import held, pool_storms, storm_figures
 from bench.wire import ChunkedDecoder
 
 
@@ -54,6 +54,28 @@ def test_storm_matches_abort_ids_and_upstream_closes_to_closed_streams() -> None
     figures = storm_figures(result, records)
     assert figures["abort_ms"] == {"n": 2, "p50": 1.0, "p99": 2.0, "max": 2.0}
     assert figures["upstream_close_ms"] == {"n": 2, "p50": 0.5, "p99": 0.5, "max": 0.5}
+
+
+def test_storms_are_pooled_over_every_closed_stream() -> None:
+    """Two storms: the pooled p99 is over all their closes (not a mean of p99s), counts add up,
+    and each storm's own p99 is kept, in order."""
+    def storm(abort: list[float], calls: int) -> dict[str, Any]:
+        closed = {f"c{i}": 0 for i in range(len(abort))}
+        records = {"request_ids": {tag: tag for tag in closed},
+                   "aborts": [[round(ms * 1e6), [f"chatcmpl-{tag}"]]
+                              for tag, ms in zip(closed, abort)] + [[0, []]] * (calls - len(abort)),
+                   "closes": [[tag, 1_000_000] for tag in closed]}
+        return storm_figures({"closed": closed, "open": 2 * len(abort), "errors": 0,
+                              "close_spread_ms": float(calls), "cpu_s": {"proxy": 0.1 * calls}},
+                             records)
+    first, second = storm([1.0] * 90 + [2.0] * 10, 100), storm([0.5] * 99 + [9.0], 102)
+    pooled = pool_storms([first, second])
+    # pooled, sorted: 99 x 0.5, 90 x 1.0, 10 x 2.0, 9.0; p99 is the 198th of 200
+    assert pooled["abort_ms"] == {"n": 200, "p50": 1.0, "p99": 2.0, "max": 9.0}, pooled
+    assert pooled["abort_ms_p99_per_storm"] == [2.0, 0.5], pooled
+    assert pooled["upstream_close_ms_p99_per_storm"] == [1.0, 1.0], pooled
+    assert (pooled["storms"], pooled["closed"], pooled["aborted"]) == (2, 200, 200), pooled
+    assert pooled["abort_calls"] == 202 and "samples" not in pooled, pooled
 
 
 def _streams(ttft: float, itl: float) -> dict[str, Any]:
