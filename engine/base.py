@@ -82,13 +82,19 @@ def parse_json(body: bytes | None) -> Any:
 
 
 def with_field(body: bytes, name: str, value: Any) -> bytes | None:
-    """``body`` (a JSON object) with ``name`` set to ``value``, re-serialised compactly; ``None``
-    if ``body`` is not a JSON object (sent unchanged; the engine rejects it itself)."""
+    """``body`` (a JSON object) with ``name`` set to ``value``, re-serialised compactly as UTF-8
+    (text stays text: escaping every non-ASCII character as ``\\uXXXX`` would double a CJK
+    prompt and make every later look at the body parse it); ``None`` if ``body`` is not a JSON
+    object (sent unchanged; the engine rejects it itself). A string holding a lone surrogate
+    (only a ``\\ud800``-style escape can carry one) keeps the ASCII escapes: it has no UTF-8."""
     parsed = parse_json(body)
     if not isinstance(parsed, dict):
         return None
     parsed[name] = value
-    return json.dumps(parsed, separators=(",", ":")).encode()
+    try:
+        return json.dumps(parsed, separators=(",", ":"), ensure_ascii=False).encode()
+    except UnicodeEncodeError:
+        return json.dumps(parsed, separators=(",", ":")).encode()
 
 
 class Unabortable(enum.StrEnum):

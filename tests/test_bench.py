@@ -61,9 +61,10 @@ def test_storms_are_pooled_over_every_closed_stream() -> None:
     and each storm's own p99 is kept, in order."""
     def storm(abort: list[float], calls: int) -> dict[str, Any]:
         closed = {f"c{i}": 0 for i in range(len(abort))}
+        aborts = [[round(ms * 1e6), [f"chatcmpl-{tag}"]]
+                  for tag, ms in zip(closed, abort, strict=True)]
         records = {"request_ids": {tag: tag for tag in closed},
-                   "aborts": [[round(ms * 1e6), [f"chatcmpl-{tag}"]]
-                              for tag, ms in zip(closed, abort)] + [[0, []]] * (calls - len(abort)),
+                   "aborts": aborts + [[0, []]] * (calls - len(abort)),
                    "closes": [[tag, 1_000_000] for tag in closed]}
         return storm_figures({"closed": closed, "open": 2 * len(abort), "errors": 0,
                               "close_spread_ms": float(calls), "cpu_s": {"proxy": 0.1 * calls}},

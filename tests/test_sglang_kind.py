@@ -17,7 +17,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from engine import build_adapters
-from engine.sglang import SGLangAdapter
+from engine.responses import may_name_tools
+from engine.sglang import BUILTIN_TOOL_TYPES, SGLangAdapter
 from sidecar.config import EngineSettings, Settings, parse_config
 from sidecar.server import Servers
 from tests.conftest import sidecar_settings
@@ -125,6 +126,24 @@ def test_rewrite_sets_the_minted_rid(path: str, body: dict[str, Any]) -> None:
     assert sent["rid"] == SID, f"rid not the minted id: {sent.get('rid')!r}"
     assert {k: v for k, v in sent.items() if k != "rid"} == {
         k: v for k, v in body.items() if k != "rid"}, "other fields changed"
+
+
+@pytest.mark.parametrize("path", [*ROUTES, RESPONSES])
+def test_rewrite_keeps_text_as_utf8(path: str) -> None:
+    """Non-ASCII text goes upstream as UTF-8, not as ``\\u`` escapes (a CJK prompt would double
+    in size, and a Responses body with escapes is parsed again on the first byte's path); a
+    lone surrogate escape, which has no UTF-8, stays an escape."""
+    body = json.dumps({"messages": [{"role": "user", "content": "你好, ça va? 🙂"}]}).encode()
+    assert b"\\u" in body  # the premise: json.dumps escapes by default
+    new = ADAPTER.rewrite_body("POST", path, SID, body)
+    assert new is not None and "你好, ça va? 🙂".encode() in new and b"\\u" not in new, new
+    assert json.loads(new)["messages"] == json.loads(body)["messages"]
+    lone = b'{"messages": [{"role": "user", "content": "a\\ud800b"}]}'
+    kept = ADAPTER.rewrite_body("POST", path, SID, lone)
+    assert kept is not None and b"\\ud800" in kept, kept
+    assert json.loads(kept)["messages"] == json.loads(lone)["messages"]
+    if path == RESPONSES:  # no \\u left: the substring test spares the parse
+        assert not may_name_tools(new, BUILTIN_TOOL_TYPES)
 
 
 TOOLS = st.lists(st.dictionaries(st.sampled_from(["type", "server_label", "name"]),
