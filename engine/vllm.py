@@ -197,7 +197,6 @@ def _invocations(sid: str, body: Any) -> tuple[str, ...]:
     return ()
 
 
-
 # POST path -> (needs the body?, rule). Only POSTs generate.
 ROUTES: dict[str, tuple[bool, IdRule]] = {
     "/v1/chat/completions": (False, _chat),
