@@ -26,6 +26,8 @@ Facts (vLLM 0.32, read in the installed source and proven on a real engine by ``
   ``/invocations``                  as chat if the body has         ``serve/sagemaker/
                                     ``messages``, else completions  api_router.py``
   ``/cohere/v2/chat``               ``chatcmpl-{id}``               ``cohere/serving.py``
+  ``/generative_scoring``           ``generative-scoring-{id}-{i}``,  ``generate/generative_scoring/
+                                    i < the body's ``items``        serving.py``
   ``/v1/audio/transcriptions``      ``transcribe-{id}``, ``-{id}-   ``speech_to_text/base/
                                     lang_detect``, ``-{id}-{i}``,   serving.py``
                                     i < 64 (:data:`AUDIO_CHUNKS`)
@@ -183,6 +185,14 @@ def _speech_to_text(task_type: str) -> IdRule:
     return rule
 
 
+def _generative_scoring(sid: str, body: Any) -> tuple[str, ...]:
+    # One 1-token read (a prefill) per item, all at once (``generate/generative_scoring/
+    # serving.py``, ``_build_prompts``; ``generate/label_reads.py``, ``next_token_label_reads``).
+    items = body.get("items") if isinstance(body, dict) else None
+    count = len(items) if isinstance(items, list) and items else 1
+    return tuple(f"generative-scoring-{sid}-{i}" for i in range(count))
+
+
 def _generate(sid: str, body: Any) -> tuple[str, ...]:
     return (f"generate-tokens-{sid}",)
 
@@ -207,6 +217,7 @@ ROUTES: dict[str, tuple[bool, IdRule]] = {
     "/inference/v1/generate": (False, _generate),
     "/invocations": (True, _invocations),
     "/cohere/v2/chat": (False, _chat),  # VLLM_ENABLE_COHERE_API=1: a chat request inside
+    "/generative_scoring": (True, _generative_scoring),
     "/v1/audio/transcriptions": (False, _speech_to_text("transcribe")),
     "/v1/audio/translations": (False, _speech_to_text("translate")),
 }

@@ -48,6 +48,11 @@ def ids(path: str, body: Any, sid: str = SID, method: str = "POST") -> tuple[str
      (f"chatcmpl-{SID}",)),
     ("/v1/chat/completions", {"stream": True, "n": 4}, (f"chatcmpl-{SID}",)),
     ("/v1/chat/completions", None, (f"chatcmpl-{SID}",)),
+    ("/generative_scoring", {"query": "q", "items": ["a", "b", "c"], "label_token_ids": [1]},
+     tuple(f"generative-scoring-{SID}-{i}" for i in range(3))),  # one read per item
+    ("/generative_scoring", {"query": "q", "items": [[1, 2], [3]]},
+     (f"generative-scoring-{SID}-0", f"generative-scoring-{SID}-1")),
+    ("/generative_scoring", {"query": "q"}, (f"generative-scoring-{SID}-0",)),  # malformed
     ("/cohere/v2/chat", {"messages": [{"role": "user", "content": "hi"}]},
      (f"chatcmpl-{SID}",)),  # turned into a chat request (cohere/serving.py)
     ("/inference/v1/generate", {"token_ids": [1, 2, 3]}, (f"generate-tokens-{SID}",)),
@@ -214,7 +219,8 @@ hostile_bodies = (
 def _expected_shape(path: str, sid: str, got: tuple[str, ...]) -> tuple[str, ...]:
     """The ids ``path`` must give for ``got``'s length (engine/vllm.py's table)."""
     numbered = {"/v1/chat/completions/batch": f"chatcmpl-{sid}_{{}}",
-                "/v1/completions": f"cmpl-{sid}-{{}}"}
+                "/v1/completions": f"cmpl-{sid}-{{}}",
+                "/generative_scoring": f"generative-scoring-{sid}-{{}}"}
     single = {"/v1/chat/completions": f"chatcmpl-{sid}", "/v1/messages": f"chatcmpl-{sid}",
               "/cohere/v2/chat": f"chatcmpl-{sid}",
               "/v1/responses": f"resp_{sid}_0", "/inference/v1/generate": f"generate-tokens-{sid}"}
