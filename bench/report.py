@@ -20,7 +20,8 @@ from typing import Any
 
 from bench.procs import nginx_version
 
-PATH_LABELS = {"direct": "direct (engine)", "sidecar": "cancel-sidecar", "nginx": "nginx"}
+PATH_LABELS = {"direct": "direct (engine)", "sidecar": "cancel-sidecar", "nginx": "nginx",
+               "floor-raw": "floor (raw Protocols)", "floor-aiohttp": "floor (aiohttp server)"}
 
 
 def machine(args: argparse.Namespace, command: str, started: float, nofile: int
@@ -151,7 +152,7 @@ def storm_table(storm: dict[str, Any]) -> list[str]:
 
     for interval, per in storm.items():
         for path, s in per.items():
-            ours = path.startswith("sidecar")
+            ours = path.startswith(("sidecar", "floor-"))  # the paths that abort
             runs = s.get("storms", 1)
             abort = trio(s, "abort_ms") if ours else "no abort (not its job)"
             rows.append(f"| {interval} | {path} | {runs} | {s['open'] // runs} / "
@@ -216,6 +217,34 @@ def targets(results: dict[str, Any]) -> list[tuple[str, str, bool | None]]:
         out.append(("tokens generated after a disconnect on real vLLM <= 5",
                     "not measured in this run", None))
     return out
+
+
+def floor_table(results: dict[str, Any]) -> list[str]:
+    """The sidecar beside bench.floor's proxies on the figures whose targets are absolute:
+    added TTFT at 256 streams and the storm's abort call p99, per token interval."""
+    phases = results["phases"]
+    streams, storm = phases.get("streams", {}), phases.get("storm") or {}
+    paths = [p for p in ("sidecar", "floor-aiohttp", "floor-raw", "nginx")
+             if p in streams or any(p in per for per in storm.values())]
+    if not any(p.startswith("floor-") for p in paths):
+        return ["No floor path in this run (`--paths`)."]
+    ns = sorted({int(k) for per in streams.values() for k in per if int(k) <= 256})
+    n = str(ns[-1]) if ns else None  # 256 in a full run
+    head = ["figure", *(PATH_LABELS.get(p, p) for p in paths)]
+    rows = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    if n is not None:
+        for pct in ("p50", "p99"):
+            cells = [_f(_added(streams, p, n, "probe", "ttft_ms", pct), 3) for p in paths]
+            rows.append(f"| added TTFT {pct} at {n} streams, ms | " + " | ".join(cells) + " |")
+    for interval, per in storm.items():
+        cells = [("-" if p == "nginx" else _f(_get(per, p, "abort_ms", "p99")))
+                 for p in paths]
+        rows.append(f"| storm {interval} ms/token: client close -> abort call p99, ms | "
+                    + " | ".join(cells) + " |")
+        cells = [_f(_get(per, p, "upstream_close_ms", "p99")) for p in paths]
+        rows.append(f"| storm {interval} ms/token: client close -> upstream close p99, ms | "
+                    + " | ".join(cells) + " |")
+    return rows
 
 
 def relay_targets(results: dict[str, Any]) -> list[tuple[str, str, bool | None]]:
@@ -344,6 +373,19 @@ def render(results: dict[str, Any]) -> str:
         lines.append(f"| {name} | {value} | "
                      f"{'n/a' if met is None else ('**met**' if met else '**not met**')} |")
     lines += [
+        "",
+        "## The floor",
+        "",
+        "`bench.floor` is the least a Python proxy on uvloop does: no limits, timeouts, "
+        "header rewriting or bookkeeping; upstream responses parsed by httptools and written "
+        "to the client in the same callback; on a client's loss its engine id queued, one "
+        "abort call per loop turn on a warm connection, the upstream closed. `floor-raw` "
+        "parses requests with httptools in an asyncio Protocol; `floor-aiohttp` terminates "
+        "them with aiohttp's low-level `web.Server` (handler cancellation on), as the sidecar "
+        "does. Same run, same phases (the tables below have their rows): what of a figure "
+        "this machine, Python and aiohttp cost anyway, and what the sidecar adds.",
+        "",
+        *floor_table(results),
         "",
         "## Time to first token and inter-token latency",
         "",

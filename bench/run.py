@@ -2,8 +2,9 @@
 
 Starts on 127.0.0.1 the fake engine (:mod:`bench.engine`), the load client
 (:mod:`bench.client`), cancel-sidecar through its CLI (``--workers 1``, and ``--workers 2`` for
-the throughput sweep) and nginx (``worker_processes 2``, ``proxy_buffering off``, keep-alive
-upstream), then runs the phases below one after another (never two at once), each path in
+the throughput sweep), nginx (``worker_processes 2``, ``proxy_buffering off``, keep-alive
+upstream) and the two floor proxies of :mod:`bench.floor` (streams, sweep and storm only), then
+runs the phases below one after another (never two at once), each path in
 turn within a phase so the three see the same machine state. Every phase records the CPU
 seconds of the engine, the client and the proxy (psutil).
 
@@ -52,6 +53,7 @@ from bench.procs import (
     Proc,
     http_get,
     start_engine,
+    start_floor,
     start_nginx,
     start_sidecar,
 )
@@ -104,8 +106,9 @@ def parser() -> argparse.ArgumentParser:
                         "pooled (default 3; 1 with --quick)")
     p.add_argument("--close", choices=["rst", "fin"], default="rst",
                    help="how storm clients close: RST (SO_LINGER 0) or FIN (default rst)")
-    p.add_argument("--paths", default="direct,sidecar,nginx",
-                   help="paths to measure (default %(default)s)")
+    p.add_argument("--paths", default="direct,sidecar,nginx,floor-raw,floor-aiohttp",
+                   help="paths to measure (default %(default)s); floor-raw and floor-aiohttp "
+                        "are bench.floor's least-work proxies (streams, sweep and storm)")
     p.add_argument("--no-vllm", action="store_true", help="skip the real-vLLM figure")
     p.add_argument("--no-profile", action="store_true",
                    help="skip the py-spy profile of the sidecar (skipped in --quick)")
@@ -165,6 +168,11 @@ class Bench:
                                      nofile)
             self.procs.append(proc)
             self.paths["nginx"] = proc
+        for downstream in ("raw", "aiohttp"):
+            if f"floor-{downstream}" in wanted:
+                proc = await start_floor(self.log_dir, self.engine.port, downstream)
+                self.procs.append(proc)
+                self.paths[proc.name] = proc
 
     async def stop(self) -> None:
         for proc in reversed(self.procs):
@@ -225,7 +233,7 @@ class Bench:
 
     async def phase_streams(self) -> None:
         interval_us = round(self.args.interval_ms * 1000)
-        out: dict[str, dict[str, Any]] = {p: {} for p in self.paths if p in self.main_paths}
+        out: dict[str, dict[str, Any]] = {p: {} for p in self.main_paths + self.floor_paths}
         for n in self.args.streams:
             for path in out:
                 r = await self.streams(path, n, self.args.tokens, interval_us)
@@ -382,12 +390,17 @@ class Bench:
         """The main paths, and the sidecar with as many workers as nginx has, if the sweep
         runs it: the storm is where one process's per-disconnect cost shows most."""
         same = f"sidecar-w{self.args.nginx_workers}"
-        return self.main_paths + ([same] if same in self.paths else [])
+        return self.main_paths + ([same] if same in self.paths else []) + self.floor_paths
 
     @property
     def main_paths(self) -> list[str]:
         """The paths of the latency, memory and storm phases (not the extra sidecar workers)."""
         return [p for p in self.paths if p in ("direct", "sidecar", "nginx")]
+
+    @property
+    def floor_paths(self) -> list[str]:
+        """bench.floor's proxies: what a Python proxy costs at least, beside the sidecar."""
+        return [p for p in self.paths if p.startswith("floor-")]
 
 
 def held(level: dict[str, Any], first: dict[str, Any]) -> bool:

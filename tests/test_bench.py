@@ -1,18 +1,24 @@
 """The benchmark's own logic, fast: chunked framing, the sweep's hold rule, the storm's matching
-of abort calls to closed streams, and the report (tables and plot) from a results tree.
+of abort calls to closed streams, the report (tables and plot) from a results tree, and the floor
+proxies (bench.floor) against the bench's engine: their figures mean something only if they relay
+and abort as the sidecar does.
 
 The whole command runs end to end, at tiny sizes, in ``.ci/run`` (``python -m bench --quick``).
 """
 
 from __future__ import annotations
 
+import asyncio
 import random
+import socket
+import struct
 from pathlib import Path
 from typing import Any
 
 import pytest
 
 from bench import report
+from bench.procs import http_get, start_engine, start_floor
 from bench.run import held, pool_storms, storm_figures
 from bench.wire import ChunkedDecoder
 
@@ -120,3 +126,66 @@ def test_report_has_a_row_per_path_and_the_plot(tmp_path: Path) -> None:
         assert f"| {path} | 256 |" in text, f"expected a latency row for {path} at N=256"
     assert "| added TTFT p50 <= 0.5 ms at 256 streams | 1.000 ms | **not met** |" in text
     assert "not measured in this run" in text
+
+
+def _request(query: str) -> bytes:
+    body = b'{"model": "m", "stream": true, "messages": []}'
+    return (f"POST /v1/chat/completions?{query} HTTP/1.1\r\nHost: 127.0.0.1\r\n"
+            f"Content-Type: application/json\r\nContent-Length: {len(body)}\r\n\r\n"
+            ).encode() + body
+
+
+def _read_stream(sock: socket.socket) -> bytes:
+    """One chunked response off ``sock``: its decoded body."""
+    buf = b""
+    while b"\r\n\r\n" not in buf:
+        buf += sock.recv(65536)
+    head, _, rest = buf.partition(b"\r\n\r\n")
+    assert head.startswith(b"HTTP/1.1 200"), head
+    decoder = ChunkedDecoder()
+    body = decoder.feed(rest)
+    while not decoder.done:
+        data = sock.recv(65536)
+        assert data, "expected the stream's last chunk before the close"
+        body += decoder.feed(data)
+    return body
+
+
+@pytest.mark.parametrize("downstream", ["raw", "aiohttp"])
+async def test_floor_relays_streams_and_aborts_a_client_that_left(
+        tmp_path: Path, downstream: str) -> None:
+    engine = await start_engine(tmp_path)
+    floor = await start_floor(tmp_path, engine.port, downstream)
+    try:
+        def streams_then_reset() -> None:
+            with socket.create_connection(("127.0.0.1", floor.port), timeout=10) as sock:
+                for tag in ("a", "b"):  # the second on the same kept-alive connection
+                    sock.sendall(_request(f"mode=stream&tokens=5&interval_us=2000&s={tag}"))
+                    body = _read_stream(sock)
+                    assert body.count(b"data: {") == 5, body
+                    assert body.endswith(b"data: [DONE]\n\n"), body[-40:]
+            sock = socket.create_connection(("127.0.0.1", floor.port), timeout=10)
+            sock.sendall(_request("mode=idle&s=gone&rec=1"))
+            seen = b""
+            while b"data: {" not in seen:  # the head and the first event
+                data = sock.recv(65536)
+                assert data, "expected the idle stream's first event"
+                seen += data
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+            sock.close()  # RST
+
+        await asyncio.to_thread(streams_then_reset)
+        for _ in range(100):  # up to 5 s
+            _, records = await http_get(engine.port, "/bench/records")
+            aborted = {i for _, ids in records["aborts"] for i in ids}
+            closed = {tag for tag, _ in records["closes"]}
+            if "gone" in closed and aborted:
+                break
+            await asyncio.sleep(0.05)
+        ids = records["request_ids"]
+        assert len({ids["a"], ids["b"], ids["gone"]}) == 3, ids
+        assert aborted == {f"chatcmpl-{ids['gone']}"}, "expected only the gone stream aborted"
+        assert "gone" in closed, "expected its upstream connection closed"
+    finally:
+        await floor.stop()
+        await engine.stop()
