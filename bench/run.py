@@ -87,7 +87,7 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--sweep-streams", type=int, default=None,
                    help="streams in the throughput sweep (default 200)")
     p.add_argument("--sweep-rates", type=_ints, default=None,
-                   help="offered SSE events/s (default 5000,10000,20000,30000,40000,60000,"
+                   help="offered SSE events/s (default 5000,10000,20000,30000,40000,50000,60000,"
                         "80000)")
     p.add_argument("--sweep-s", type=float, default=None,
                    help="seconds per sweep level (default 3)")
@@ -121,7 +121,8 @@ def defaults(args: argparse.Namespace) -> None:
     args.streams = args.streams or ([1, 8] if q else [1, 64, 256, 1000])
     args.sweep_streams = args.sweep_streams or (20 if q else 200)
     args.sweep_rates = args.sweep_rates or ([1000, 2000] if q else
-                                            [5000, 10000, 20000, 30000, 40000, 60000, 80000])
+                                            [5000, 10000, 20000, 30000, 40000, 50000, 60000,
+                                             80000])
     args.sweep_s = args.sweep_s or (1.0 if q else 3.0)
     args.cpu_rate = args.cpu_rate or args.sweep_rates[min(1, len(args.sweep_rates) - 1)]
     args.idle = args.idle or ([50] if q else [1000, 10000])
