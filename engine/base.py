@@ -109,7 +109,9 @@ class Unabortable(enum.StrEnum):
     VLLM_BEAM_SEARCH = "vllm_beam_search"
     # A body-rewriting route (SGLang ``rid`` and ``/v1/responses``, vLLM ``/v1/responses``) got
     # a body over ``upstream.replay_buffer_bytes``: relayed unrewritten, so the engine picked
-    # the id.
+    # the id. Also a route whose ids are counted from the body (vLLM's completions prompts,
+    # chat batch conversations, scoring items, /invocations): only the ids derivable without the
+    # body are aborted (the proxy's _derive_ids), the others may run on.
     BODY_OVER_REPLAY_BUFFER = "body_over_replay_buffer"
 
     @property

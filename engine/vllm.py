@@ -204,6 +204,8 @@ def _invocations(sid: str, body: Any) -> tuple[str, ...]:
         return _chat(sid, body)
     if isinstance(body, dict) and ("prompt" in body or "prompt_embeds" in body):
         return _completions(sid, body)
+    if body is None:  # not kept (over upstream.replay_buffer_bytes) or not JSON: either shape
+        return (*_chat(sid, None), *_completions(sid, None))
     return ()
 
 

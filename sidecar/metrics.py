@@ -82,8 +82,10 @@ class Metrics:
             "Requests that ended early (client disconnect, cancel API, deadline, shutdown, "
             "upstream timeout) after the engine had them whole, at an engine that aborts by id, "
             "while it may still run them under ids the sidecar cannot know: no abort call, "
-            "only the upstream connection closed. By engine and reason (sglang_n_samples, "
-            "vllm_beam_search, body_over_replay_buffer). Kind openai (close-only) never counts.",
+            "only the upstream connection closed (for body_over_replay_buffer on a route whose "
+            "ids are counted from the body: only the ids named without it aborted). By engine "
+            "and reason (sglang_n_samples, vllm_beam_search, body_over_replay_buffer). Kind "
+            "openai (close-only) never counts.",
             ["engine", "reason"], registry=registry)
         self.kept = Counter(
             "cancel_sidecar_kept_requests_total",

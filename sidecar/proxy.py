@@ -515,6 +515,11 @@ class Exchange:
         if self.body_unrewritten and engine.rewrites_body(method, path):
             return (), Unabortable.BODY_OVER_REPLAY_BUFFER
         ids = engine.engine_request_ids(method, path, self.id, body)
+        if (body is None and self.body is not None and self.body.copy_over_limit
+                and engine.wants_body(method, path)):
+            # The ids are counted from the body (prompts, conversations, items), which was too
+            # large to keep: those derivable without it are aborted, the others may run on.
+            return ids, Unabortable.BODY_OVER_REPLAY_BUFFER
         if ids or not engine.aborts:
             return ids, None
         return (), engine.unabortable(method, path, body)
@@ -529,6 +534,13 @@ class Exchange:
             self._kept(engine, reason)
             return ()
         self.metrics.unabortable.labels(engine.name, reason).inc()
+        if ids:
+            log.warning("request %s: engine %s may run some of it under ids the sidecar cannot "
+                        "name: its body was over upstream.replay_buffer_bytes, and the ids are "
+                        "counted from the body; aborting the %d it can name; counted in "
+                        "cancel_sidecar_unabortable_requests_total{reason=\"%s\"}", self.id,
+                        engine.name, len(ids), reason)
+            return ids
         log.warning("request %s: engine %s cannot be told to stop it by id (%s); only its "
                     "upstream is closed; counted in cancel_sidecar_unabortable_requests_total"
                     "{reason=\"%s\"}", self.id, engine.name, reason.why, reason)

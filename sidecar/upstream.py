@@ -110,6 +110,9 @@ class RequestBody:
         self._kept: list[bytes] | None = list(prefix or ())
         self._kept_bytes = self._received = sum(map(len, self._kept))
         self._keep_limit = keep_limit
+        # The copy was dropped because the body went over keep_limit (not by drop_copy): ids
+        # that an engine counts from the body cannot all be derived.
+        self.copy_over_limit = False
         self._limits = limits or _NO_LIMITS
         self.complete = content is None or content.at_eof()
         # time.monotonic() when the last byte was handed upstream (None: complete from the
@@ -182,6 +185,7 @@ class RequestBody:
                 self._kept.append(chunk)
             else:
                 self._kept = None
+                self.copy_over_limit = True
 
 
 async def open_upstream(

@@ -27,7 +27,7 @@ from sidecar.config import EngineSettings, Settings
 from sidecar.server import Servers
 from tests.conftest import sidecar_settings
 from tests.fake_engine import FakeEngine
-from tests.kind_engines import SGLangEngine
+from tests.kind_engines import SGLangEngine, VLLMEngine
 from tests.support import no_event
 
 pytestmark = pytest.mark.timeout(60)
@@ -344,3 +344,36 @@ async def test_openai_kind_disconnect_is_not_counted(
     assert await quiet(engine.record.abort_event), engine.record.aborted_ids()
     got = await counted(sidecar.admin_port)
     assert got == {}, f"an openai-kind engine must never be counted, got {got}"
+
+
+@pytest.mark.parametrize(("path", "body", "named"), [
+    ("/v1/completions", {"prompt": ["a", "b", "c"], "stream": True}, ("cmpl-{}-0",)),
+    ("/v1/chat/completions/batch", {"messages": [[], [], []], "stream": True},
+     ("chatcmpl-{}_0",)),
+], ids=["completions-3-prompts", "chat-batch-3"])
+async def test_vllm_body_over_replay_buffer_on_a_counted_route_aborts_what_it_can_and_counts(
+        start_sidecar: Callable[..., Any], path: str, body: dict[str, Any],
+        named: tuple[str, ...]) -> None:
+    """Ids counted from the body (prompts, conversations) cannot all be named once the body is
+    over the buffer: the first is aborted, the request is counted, never silently half-aborted
+    (before: the abort named the first id, no count, no WARNING, the rest ran for nobody)."""
+    fake = VLLMEngine()
+    await fake.start()
+    try:
+        sidecar: Servers = await start_sidecar(sidecar_settings(
+            fake.url, engines={"local": {"kind": "vllm", "url": fake.url,
+                                         "abort": {"timeout_s": 2.0, "resend_window_s": 0}}},
+            upstream={"replay_buffer_bytes": SMALL_BUFFER}))
+        reader, writer = await post(sidecar.proxy_port, path, {**body, "pad": PAD},
+                                    "?tokens=100000")
+        await disconnect_mid_stream(reader, writer, lambda: fake.watch.until(
+            lambda: bool(fake.calls), GUARD_S))
+        (work,) = fake.works
+        rid = work.request_id_header
+        assert len(work.engine_ids) == 3, f"expected 3 engine ids, got {work.engine_ids}"
+        assert [tuple(c.ids) for c in fake.calls] == [tuple(n.format(rid) for n in named)], (
+            f"expected one call naming {named}, got {fake.calls}")
+        got = await counted(sidecar.admin_port)
+        assert got == {("local", "body_over_replay_buffer"): 1.0}, f"expected one count, got {got}"
+    finally:
+        await fake.stop()

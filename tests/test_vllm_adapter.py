@@ -56,6 +56,11 @@ def ids(path: str, body: Any, sid: str = SID, method: str = "POST") -> tuple[str
     ("/cohere/v2/chat", {"messages": [{"role": "user", "content": "hi"}]},
      (f"chatcmpl-{SID}",)),  # turned into a chat request (cohere/serving.py)
     ("/inference/v1/generate", {"token_ids": [1, 2, 3]}, (f"generate-tokens-{SID}",)),
+    ("/invocations", {"messages": []}, (f"chatcmpl-{SID}",)),
+    ("/invocations", {"prompt": ["a", "b"]}, (f"cmpl-{SID}-0", f"cmpl-{SID}-1")),
+    ("/invocations", {"input": "x"}, ()),  # neither: vLLM refuses it
+    # no body copy (over upstream.replay_buffer_bytes) or not JSON: either shape's first id
+    ("/invocations", None, (f"chatcmpl-{SID}", f"cmpl-{SID}-0")),
     ("/inference/v1/generate", b"not json", (f"generate-tokens-{SID}",)),
     # A single prompt is still "-0" (vLLM numbers every engine input).
     ("/v1/completions", {"prompt": "hello"}, (f"cmpl-{SID}-0",)),
@@ -229,8 +234,9 @@ def _expected_shape(path: str, sid: str, got: tuple[str, ...]) -> tuple[str, ...
     if path.startswith("/v1/audio/"):  # the base, language detection, the first 64 chunks
         base = f"{'transcribe' if path.endswith('transcriptions') else 'translate'}-{sid}"
         return (base, f"{base}-lang_detect", *(f"{base}-{i}" for i in range(64)))
-    if path == "/invocations":  # as chat, as completions, or nothing when the body says neither
-        if got == (f"chatcmpl-{sid}",) or not got:
+    if path == "/invocations":  # as chat, as completions, nothing when the body says neither,
+        # or either shape's first id when there is no JSON body to read (None, not JSON)
+        if got in ((f"chatcmpl-{sid}",), (f"chatcmpl-{sid}", f"cmpl-{sid}-0"), ()):
             return got
         return tuple(f"cmpl-{sid}-{i}" for i in range(len(got)))
     return tuple(numbered[path].format(i) for i in range(max(len(got), 1)))
