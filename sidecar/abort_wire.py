@@ -173,7 +173,8 @@ class AbortPool:
     def begin(self, path: str, body: Any, headers: dict[str, str]) -> PendingCall:
         """``POST path`` with ``body`` as JSON and ``headers``, written now, in the caller's
         step, if a warm connection is idle (else :meth:`answer` opens one). Raises
-        ``UnicodeEncodeError`` for a header that is not latin-1 (the config refuses those)."""
+        ``UnicodeEncodeError`` for a header that is not latin-1 (the config refuses keys
+        outside ASCII)."""
         data = self._request(path, body, headers)
         conn = self._take_idle()
         return PendingCall(data, conn, None if conn is None else conn.send(data))

@@ -96,12 +96,17 @@ def _not_bool(value: Any) -> Any:
 
 def _api_key(value: SecretStr | None) -> SecretStr | None:
     """Surrounding whitespace is dropped (a key read from a file or a Kubernetes Secret often
-    ends with a newline); a key still holding a control character cannot be sent in a header."""
+    ends with a newline); a key still holding a control character cannot be sent in a header,
+    nor can one outside ASCII be sent one way: HTTP has no single encoding for it (the abort wire
+    wrote latin-1, the readiness probe UTF-8, and a client its own), so it matched nowhere."""
     if value is None:
         return None
     key = value.get_secret_value().strip()
     if any(ord(c) < 32 or ord(c) == 127 for c in key):
         raise ValueError("must not contain control characters (it is sent in an HTTP header)")
+    if not key.isascii():
+        raise ValueError("must be ASCII (it is sent in an HTTP header, where other characters "
+                         "have no one encoding)")
     return SecretStr(key) if key else None
 
 

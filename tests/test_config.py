@@ -175,6 +175,18 @@ def test_api_key_with_an_inner_control_character_is_refused_without_echo() -> No
     assert "secret" not in message.replace("problem", ""), f"the key leaked:\n{message}"
 
 
+@pytest.mark.parametrize("key", ["\u043a\u043b\u044e\u0447-secret", "k\u00e9y-secret"],
+                         ids=["cyrillic", "latin-1"])
+def test_api_key_outside_ascii_is_refused_without_echo(key: str) -> None:
+    """Before: accepted, then every abort call failed (UnicodeEncodeError on the abort wire) or
+    sent other bytes than the readiness probe (latin-1 against UTF-8), while /readyz said ok."""
+    message = problems_of(ENGINE + ROUTES, env={"KEY": key})
+    assert "  - engines.a.abort.api_key:" in message and "must be ASCII" in message, message
+    assert "secret" not in message.replace("problem", ""), f"the key leaked:\n{message}"
+    message = problems_of(TOKEN_CONFIG, env={"KEY": "k", "T": key})
+    assert "  - admin.cancel_token:" in message and "must be ASCII" in message, message
+
+
 # --- engine urls with credentials -----------------------------------------------------------
 
 URL_PASSWORD = "sk-URLPASS"
