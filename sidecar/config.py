@@ -781,16 +781,29 @@ def parse_config(text: str, source: str = "<string>",
             value = None if err["type"] == "missing" else _render_value(err["loc"], err["input"])
             problems.append(ConfigProblem(loc, err["msg"].removeprefix("Value error, "), value))
         problems.extend(cross_reference())
+        problems.extend(_listener_clash(expanded))  # every problem, not only the model's
         raise ConfigError(source, _scrub(problems, secrets)) from exc
     problems.extend(cross_reference())
-    if settings.admin is not None and settings.admin.port and (
-        settings.admin.host, settings.admin.port) == (settings.listen.host, settings.listen.port):
-        problems.append(ConfigProblem("admin.port", "must differ from listen.port on the same "
-                                      "host (the default admin port is 9090)",
-                                      str(settings.admin.port)))
+    problems.extend(_listener_clash(expanded))
     if problems:
         raise ConfigError(source, _scrub(problems, secrets))
     return settings
+
+
+def _listener_clash(expanded: dict[str, Any]) -> list[ConfigProblem]:
+    """``admin.port`` on ``listen``'s address, read from the two sections alone, so that it is
+    reported next to problems elsewhere in the file; none if either section is itself invalid
+    (that is reported as such)."""
+    try:
+        listen = Listener.model_validate(expanded.get("listen", {}))
+        admin_raw = expanded.get("admin", {})
+        admin = None if admin_raw is None else AdminSettings.model_validate(admin_raw)
+    except ValidationError:
+        return []
+    if admin is None or not admin.port or (admin.host, admin.port) != (listen.host, listen.port):
+        return []
+    return [ConfigProblem("admin.port", "must differ from listen.port on the same host (the "
+                          "default admin port is 9090)", str(admin.port))]
 
 
 def load_config(path: Path, env: Mapping[str, str] | None = None) -> Settings:

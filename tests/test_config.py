@@ -117,6 +117,18 @@ def test_listen_on_the_default_admin_port_is_a_config_error() -> None:
     assert "admin.port" in message, f"expected the clash with the default admin port, got {message}"
 
 
+@pytest.mark.parametrize("other", [
+    ("engines.a.url", "engines:\n  a: {kind: vllm, url: 'http://h:1/v1'}\n"),
+    ("log_level", "log_level: LOUD\nengines:\n  a: {kind: vllm, url: 'http://h:1'}\n"),
+], ids=["url-with-a-path", "bad-log-level"])
+def test_the_port_clash_is_reported_with_the_other_problems(other: tuple[str, str]) -> None:
+    """Before: a problem the model found elsewhere hid the clash (one fix, one more run)."""
+    location, text = other
+    message = problems_of("listen: {port: 9090}\n" + text + "routes: [{prefix: /, engine: a}]\n")
+    assert f"  - {location}:" in message, f"expected the problem at {location}, got {message}"
+    assert "  - admin.port:" in message, f"expected the port clash too, got {message}"
+
+
 def test_unusable_listen_address_exits_1_with_a_message(tmp_path: Path) -> None:
     config = tmp_path / "c.yaml"
     config.write_text("listen: {host: 'no such host!', port: 0}\nadmin: null\n"
