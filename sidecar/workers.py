@@ -153,7 +153,15 @@ class Supervisor:
                 await self._stop_workers()
                 return 1
         runtimes = Runtimes(Runtime.open(self.settings), self.tasks)
-        admin, admin_port = await self._start_admin(runtimes)
+        try:
+            admin, admin_port = await self._start_admin(runtimes)
+        except OSError as exc:  # bind/resolve errors name the address
+            assert self.settings.admin is not None
+            log.error("cannot bind the admin address %s:%d: %s", self.settings.admin.host,
+                      self.settings.admin.port, exc)
+            await self._stop_workers()
+            await runtimes.close()
+            return 1
         warn_open_cancel_api(self.settings, port=admin_port)
         check = self.tasks.spawn(startup_check(admin, runtimes), name="engine startup check")
         loop = asyncio.get_running_loop()
@@ -233,7 +241,11 @@ class Supervisor:
                                   shutdown_timeout=1.0,
                                   keepalive_timeout=self.settings.downstream.idle_timeout_s)
         await runner.setup()
-        await web.TCPSite(runner, self.settings.admin.host, self.settings.admin.port).start()
+        try:
+            await web.TCPSite(runner, self.settings.admin.host, self.settings.admin.port).start()
+        except OSError:
+            await runner.cleanup()
+            raise
         return runner, int(runner.addresses[0][1])
 
     def _live_controls(self) -> list[tuple[int, Path]]:

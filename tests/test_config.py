@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import re
 import signal
+import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -139,6 +140,28 @@ def test_unusable_listen_address_exits_1_with_a_message(tmp_path: Path) -> None:
     assert result.returncode == 1, (
         f"expected exit 1, got {result.returncode}; stderr:\n{result.stderr}")
     assert "cannot listen" in result.stderr and "Traceback" not in result.stderr, result.stderr
+
+
+@pytest.mark.parametrize("workers", ["1", "2"])
+def test_admin_port_in_use_exits_1_with_a_message(tmp_path: Path, workers: str) -> None:
+    """Before, with --workers 2: a traceback from the supervisor's admin listener."""
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        config = tmp_path / "c.yaml"
+        config.write_text(f"listen: {{host: 127.0.0.1, port: 0}}\n"
+                          f"admin: {{host: 127.0.0.1, port: {port}}}\n"
+                          "engines:\n  a: {kind: vllm, url: 'http://127.0.0.1:1'}\n"
+                          "routes: [{prefix: /, engine: a}]\n")
+        result = subprocess.run([sys.executable, "-m", "sidecar", "--config", str(config),
+                                 "--workers", workers],
+                                capture_output=True, text=True, timeout=60, check=False)
+    assert result.returncode == 1, (
+        f"expected exit 1, got {result.returncode}; stderr:\n{result.stderr}")
+    assert "Traceback" not in result.stderr and str(port) in result.stderr, result.stderr
+    assert "cannot listen" in result.stderr or "cannot bind the admin address" in result.stderr, (
+        result.stderr)
 
 
 ENGINE = "engines:\n  a: {kind: vllm, url: 'http://h:1', abort: {api_key: '${KEY}'}}\n"
