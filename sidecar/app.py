@@ -24,7 +24,7 @@ from sidecar.cancel import Canceller, add_cancel_route, local_canceller
 from sidecar.config import Settings
 from sidecar.keys import ABORTER, EXCHANGES, METRICS, READINESS, REGISTRY, RUNTIME, SETTINGS, TASKS
 from sidecar.metrics import Metrics, ReadinessMetrics
-from sidecar.proxy import Exchange, error_response, handle
+from sidecar.proxy import Exchange, error_response, handle, refuse
 from sidecar.readiness import OK, Readiness
 from sidecar.runtime import Runtime, Runtimes, describe_changes
 from sidecar.tasks import TaskSet
@@ -133,8 +133,8 @@ async def _expect(request: web.Request, app: web.Application) -> web.StreamRespo
     if request.version != aiohttp.HttpVersion11:
         return None
     if request.headers.get("Expect", "").lower() != "100-continue":
-        return error_response(417, "only 'Expect: 100-continue' is supported",
-                              "expectation_failed")
+        return refuse(request, 417, "only 'Expect: 100-continue' is supported",
+                      "expectation_failed")
     await request.writer.write(b"HTTP/1.1 100 Continue\r\n\r\n")
     request.writer.output_size = 0  # the interim response is not part of the response body
     return None

@@ -46,7 +46,7 @@ from collections.abc import Awaitable, Callable
 from http import HTTPStatus
 from typing import Any
 
-from aiohttp import web
+from aiohttp import HttpVersion10, HttpVersion11, web
 from aiohttp.http_exceptions import (
     BadHttpMessage,
     BadHttpMethod,
@@ -302,6 +302,17 @@ class UnusableTarget(BaseRequest):
     :func:`refusing_unusable_targets`, never routed."""
 
 
+class UnsupportedVersion(BaseRequest):
+    """A request line llhttp parsed with a version other than HTTP/1.0 and HTTP/1.1
+    (``GET / HTTP/2.0``; a version-less HTTP/0.9 line reads as 0.9): answered 505 by
+    :func:`refusing_unusable_targets`, in HTTP/1.1 (aiohttp writes the request's version in the
+    status line: the proxy answered ``HTTP/2.0 200 OK`` in HTTP/1.1 framing), never routed.
+    llhttp itself refuses the others (``HTTP/1.2``: :func:`parse_error_status`)."""
+
+
+_SERVED_VERSIONS = frozenset({HttpVersion10, HttpVersion11})
+
+
 def guarded_request_factory(factory: Callable[..., BaseRequest]) -> Callable[..., BaseRequest]:
     """Wrap aiohttp's request factory so a target it cannot represent becomes an
     :class:`UnusableTarget` instead of killing the connection.
@@ -312,6 +323,9 @@ def guarded_request_factory(factory: Callable[..., BaseRequest]) -> Callable[...
     died and the connection hung, unanswered and never closed (a hostile tester's finding).
     """
     def make(message: Any, payload: Any, protocol: Any, writer: Any, task: Any) -> BaseRequest:
+        if message.version not in _SERVED_VERSIONS:
+            return UnsupportedVersion(message._replace(version=HttpVersion11), payload, protocol,
+                                      writer, task, asyncio.get_running_loop())
         try:
             return factory(message, payload, protocol, writer, task)
         except ValueError:  # UnicodeError included
@@ -327,6 +341,15 @@ def refusing_unusable_targets(
     """Wrap the server's request handler: an :class:`UnusableTarget` gets a JSON 400 that
     closes the connection; every other request goes to ``handler``."""
     async def handle(request: BaseRequest) -> web.StreamResponse:
+        if isinstance(request, UnsupportedVersion):
+            log.warning("refused a request from %s with 505: not HTTP/1.0 or HTTP/1.1",
+                        request.remote)
+            response = error_response(HTTPStatus.HTTP_VERSION_NOT_SUPPORTED,
+                                      "Only HTTP/1.0 and HTTP/1.1 are served on this port",
+                                      "invalid_request")
+            response.headers["Connection"] = "close"
+            response.force_close()
+            return response
         if not isinstance(request, UnusableTarget):
             return await handler(request)
         log.warning("refused a malformed request from %s with 400: unusable request target",

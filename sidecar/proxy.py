@@ -766,12 +766,19 @@ class LossHook(Protocol):
     def follow_up(self, callback: Callable[[], None]) -> None: ...
 
 
-def _refuse(request: web.Request, status: int, message: str, error_type: str) -> web.Response:
-    """A request the proxy answers itself, with its own access line."""
+def refuse(request: web.Request, status: int, message: str, error_type: str,
+           target: RouteTarget | None = None, metrics: Metrics | None = None) -> web.Response:
+    """A request the proxy answers itself with an OpenAI-style JSON error, with its own access
+    line; once routed (``target``), the line names the route and engine, and
+    ``cancel_sidecar_requests_total`` counts it (``metrics``): an unrouted request has no route
+    label to count under."""
     request_id, client_id = uuid.uuid4().hex, request.headers.get(REQUEST_ID)
     response = error_response(status, message, error_type, request_id, client_id)
-    RequestLog(request_id, request.method, request.path, None, None, client_id
+    route, engine = (None, None) if target is None else (target.prefix, target.engine.name)
+    RequestLog(request_id, request.method, request.path, route, engine, client_id
                ).handler_done(status, response.content_length or 0, False, None)
+    if target is not None and metrics is not None:
+        metrics.child(metrics.requests, target.prefix, f"{status // 100}xx").inc()
     return response
 
 
@@ -801,18 +808,19 @@ async def handle(request: web.Request, runtime: Runtime,
     received = loop.time()  # the head was just parsed: the deadline counts from here
     target_path = origin_form(request.raw_path, request.rel_url.raw_path_qs)
     if target_path is None:  # before routing: "*" matches only a catch-all route
-        return _refuse(request, 400, "the request target must be a path", "invalid_request")
+        return refuse(request, 400, "the request target must be a path", "invalid_request")
     target = runtime.router.match(request.path)
     if target is None:
-        return _refuse(request, 404, f"no route for path {json.dumps(request.path)}",
-                       "route_not_found")
+        return refuse(request, 404, f"no route for path {json.dumps(request.path)}",
+                      "route_not_found")
+    metrics = app[METRICS]
     if request.path.rstrip("/") in target.forbidden_paths:
         # Only the sidecar aborts: a client must not abort other clients' requests.
-        return _refuse(request, 403, "the engine's abort endpoint is not exposed to clients",
-                       "forbidden")
+        return refuse(request, 403, "the engine's abort endpoint is not exposed to clients",
+                      "forbidden", target, metrics)
     if unsupported_transfer_coding(request.headers):
-        refusal = _refuse(request, 501, "only the chunked transfer coding is supported",
-                          "not_implemented")
+        refusal = refuse(request, 501, "only the chunked transfer coding is supported",
+                         "not_implemented", target, metrics)
         refusal.force_close()  # the body is left unread
         return refusal
     asked = request.headers.getall(DEADLINE_HEADER, [])
@@ -821,11 +829,10 @@ async def handle(request: web.Request, runtime: Runtime,
             raise ValueError(f"{DEADLINE_HEADER} must be given at most once")
         deadline = deadline_s(asked[0] if asked else None, target.max_duration_s)
     except ValueError as exc:
-        return _refuse(request, 400, str(exc), "invalid_request")
+        return refuse(request, 400, str(exc), "invalid_request", target, metrics)
     if tunnel.wants_tunnel(request):  # Connection: Upgrade (a WebSocket): relayed, never aborted
         return await tunnel.relay(request, runtime, target, target_path, received, deadline,
-                                  app[METRICS])
-    metrics = app[METRICS]
+                                  metrics)
     exchange = Exchange(request, runtime, target, app[ABORTER], metrics, target_path)
     timer = (None if deadline is None
              else loop.call_at(received + deadline, exchange.request_cancel, DEADLINE))

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import logging
 from collections.abc import Callable
 from typing import Any
 
@@ -14,6 +15,7 @@ from sidecar.config import Settings
 from sidecar.server import Servers
 from tests.conftest import sidecar_settings
 from tests.fake_engine import FakeEngine
+from tests.support import metrics
 from tests.upstreams import RawUpstream
 
 
@@ -156,3 +158,55 @@ async def test_engine_api_key_never_reaches_a_client(engine: FakeEngine,
         "expected /readyz to have made an abort call carrying the key")
     for raw, answer in zip(proxy_requests + [b"admin"] * 3, answers, strict=True):
         assert b"sekret-key" not in answer, f"the key reached a client answering {raw[:40]!r}"
+
+
+async def _raw_head(port: int, request: bytes) -> tuple[bytes, bytes]:
+    """(the response's status line and head, its body read to the close)."""
+    reader, writer = await asyncio.open_connection("127.0.0.1", port)
+    try:
+        writer.write(request)
+        await writer.drain()
+        async with asyncio.timeout(5):
+            head = await reader.readuntil(b"\r\n\r\n")
+            body = await reader.read()  # the sidecar closes after the answer
+    finally:
+        writer.close()
+    return head, body
+
+
+@pytest.mark.parametrize("request_line", [b"GET /echo HTTP/2.0", b"GET /echo"],
+                         ids=["http-2.0", "http-0.9"])
+async def test_other_http_versions_get_a_json_505_in_http_1_1(
+        request_line: bytes, engine: FakeEngine, sidecar: Servers) -> None:
+    """llhttp parses these two (it refuses HTTP/1.2 itself); before, the request was proxied and
+    answered with an ``HTTP/2.0 200 OK`` (or ``HTTP/0.9``) status line in HTTP/1.1 framing."""
+    head, body = await _raw_head(sidecar.proxy_port, request_line + b"\r\nHost: x\r\n\r\n")
+    assert head.startswith(b"HTTP/1.1 505 "), f"expected an HTTP/1.1 505, got {head!r}"
+    assert b"connection: close" in head.lower(), head
+    assert "HTTP/1.0 and HTTP/1.1" in json.loads(body)["error"]["message"], body
+    assert engine.record.requests == [], "expected nothing forwarded to the engine"
+
+
+async def test_requests_refused_by_the_proxy_have_one_access_line_and_are_counted(
+        engine: FakeEngine, sidecar: Servers, caplog: pytest.LogCaptureFixture) -> None:
+    """A routed refusal (the abort path, a bad deadline header) names its route and counts in
+    cancel_sidecar_requests_total; an unsupported Expect gets its access line (before: none)."""
+    caplog.set_level(logging.INFO, logger="sidecar.access")
+    refusals = [
+        (b"POST /inference/v1/abort_requests HTTP/1.1\r\nHost: x\r\nContent-Length: 0\r\n\r\n",
+         403),
+        (b"GET /echo HTTP/1.1\r\nHost: x\r\nX-Sidecar-Deadline-S: soon\r\n\r\n", 400),
+        (b"POST /echo HTTP/1.1\r\nHost: x\r\nExpect: 200-ok\r\nContent-Length: 2\r\n\r\n", 417),
+    ]
+    for request, status in refusals:
+        got, _ = await _raw(sidecar.proxy_port, request.replace(
+            b"Host: x\r\n", b"Host: x\r\nConnection: close\r\n"))
+        assert got == status, f"expected {status}, got {got}"
+    lines = [r.__dict__["access"] for r in caplog.records if r.name == "sidecar.access"]
+    assert [line["status"] for line in lines] == [403, 400, 417], lines
+    assert [line["route"] for line in lines] == ["/", "/", None], lines
+    samples = await metrics(sidecar.admin_port)
+    counted = {(dict(labels)["route"], dict(labels)["status_class"]): value
+               for (name, labels), value in samples.items()
+               if name == "cancel_sidecar_requests_total" and value}
+    assert counted == {("/", "4xx"): 2.0}, counted
