@@ -170,10 +170,20 @@ class _Model(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
 
 
-class Listener(_Model):
-    """An address to listen on. Loopback by default: nothing listens beyond what is configured."""
+def _listen_host(value: str) -> str:
+    """An empty host means every address to aiohttp (``0.0.0.0`` and ``::``): refused, so that
+    an empty ``${VAR:-}`` never opens a listener to the network by accident."""
+    if not value.strip():
+        raise ValueError("must not be empty: write 0.0.0.0 (every IPv4 address), :: (every "
+                         "address) or an address (an empty ${VAR} usually means it is unset)")
+    return value
 
-    host: str = "127.0.0.1"
+
+class Listener(_Model):
+    """An address to listen on. Loopback by default: nothing listens beyond what is configured
+    (an empty ``host``, every address to aiohttp, is refused: :func:`_listen_host`)."""
+
+    host: Annotated[str, AfterValidator(_listen_host)] = "127.0.0.1"
     port: Port = 8080
 
 

@@ -142,6 +142,15 @@ def test_unusable_listen_address_exits_1_with_a_message(tmp_path: Path) -> None:
     assert "cannot listen" in result.stderr and "Traceback" not in result.stderr, result.stderr
 
 
+@pytest.mark.parametrize("section", ["listen", "admin"])
+def test_an_empty_listen_host_is_refused(section: str) -> None:
+    """aiohttp reads "" as every address: an unset ${HOST:-} opened the proxy to the network
+    (found by a new-user test; only the admin listener warned)."""
+    message = problems_of(f"{section}: {{host: '${{HOST:-}}'}}\n" + ENGINE + ROUTES,
+                          env={"KEY": "k"})
+    assert f"  - {section}.host:" in message and "must not be empty" in message, message
+
+
 @pytest.mark.parametrize("workers", ["1", "2"])
 def test_admin_port_in_use_exits_1_with_a_message(tmp_path: Path, workers: str) -> None:
     """Before, with --workers 2: a traceback from the supervisor's admin listener."""
