@@ -74,6 +74,7 @@ _FIXED_REASONS: dict[type[HttpProcessingError], str] = {
     InvalidURLError: "Invalid request target",
 }
 _TLS_ON_PLAIN_PORT = "Received HTTPS traffic on an HTTP port"  # BadHttpMethod's own text
+_VERSION_REASON = "Only HTTP/1.0 and HTTP/1.1 are served on this port"
 
 
 def parse_error_status(exc: HttpProcessingError) -> int:
@@ -95,7 +96,7 @@ def parse_error_reason(exc: HttpProcessingError) -> str:
     if isinstance(exc, LineTooLong):
         return f"A request line or header field is longer than {exc.args[1]} bytes"
     if parse_error_status(exc) == HTTPStatus.HTTP_VERSION_NOT_SUPPORTED:
-        return "Only HTTP/1.0 and HTTP/1.1 are served on this port"
+        return _VERSION_REASON
     text = exc.message
     if ":\n" in text:
         # llhttp's shape: "reason:\n[  reason:\n]\n  b'<request bytes>'\n  ^"; the bytes are a
@@ -291,10 +292,16 @@ class DownstreamHandler(RequestHandler):
             reason, error_type = "Internal error in the sidecar", "internal_error"
         if request.writer.output_size > 0:
             raise ConnectionError("a response was already started; cannot send an error")
-        response = error_response(status, reason, error_type)
-        response.headers["Connection"] = "close"
-        response.force_close()
-        return response
+        return _closing_error(status, reason, error_type)
+
+
+def _closing_error(status: int, reason: str, error_type: str) -> web.Response:
+    """The proxy's OpenAI-style JSON error for a request whose framing or form it does not
+    trust, with ``Connection: close``: what follows on the connection is not read."""
+    response = error_response(status, reason, error_type)
+    response.headers["Connection"] = "close"
+    response.force_close()
+    return response
 
 
 class UnusableTarget(BaseRequest):
@@ -344,21 +351,13 @@ def refusing_unusable_targets(
         if isinstance(request, UnsupportedVersion):
             log.warning("refused a request from %s with 505: not HTTP/1.0 or HTTP/1.1",
                         request.remote)
-            response = error_response(HTTPStatus.HTTP_VERSION_NOT_SUPPORTED,
-                                      "Only HTTP/1.0 and HTTP/1.1 are served on this port",
-                                      "invalid_request")
-            response.headers["Connection"] = "close"
-            response.force_close()
-            return response
+            return _closing_error(HTTPStatus.HTTP_VERSION_NOT_SUPPORTED, _VERSION_REASON,
+                                 "invalid_request")
         if not isinstance(request, UnusableTarget):
             return await handler(request)
         log.warning("refused a malformed request from %s with 400: unusable request target",
                     request.remote)
-        response = error_response(HTTPStatus.BAD_REQUEST, "Invalid request target",
-                                  "invalid_request")
-        response.headers["Connection"] = "close"
-        response.force_close()
-        return response
+        return _closing_error(HTTPStatus.BAD_REQUEST, "Invalid request target", "invalid_request")
     return handle
 
 
