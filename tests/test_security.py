@@ -19,7 +19,8 @@ from tests.support import metrics
 from tests.upstreams import RawUpstream
 
 
-async def _raw(port: int, request: bytes) -> tuple[int, bytes]:
+async def _head_and_body(port: int, request: bytes) -> tuple[bytes, bytes]:
+    """Send ``request`` on a new connection: the response's head and its Content-Length body."""
     reader, writer = await asyncio.open_connection("127.0.0.1", port)
     try:
         writer.write(request)
@@ -32,6 +33,11 @@ async def _raw(port: int, request: bytes) -> tuple[int, bytes]:
     finally:
         writer.close()
         await writer.wait_closed()
+    return head, body
+
+
+async def _raw(port: int, request: bytes) -> tuple[int, bytes]:
+    head, body = await _head_and_body(port, request)
     return int(head.split(b" ", 2)[1]), body
 
 
@@ -160,27 +166,14 @@ async def test_engine_api_key_never_reaches_a_client(engine: FakeEngine,
         assert b"sekret-key" not in answer, f"the key reached a client answering {raw[:40]!r}"
 
 
-async def _raw_head(port: int, request: bytes) -> tuple[bytes, bytes]:
-    """(the response's status line and head, its body read to the close)."""
-    reader, writer = await asyncio.open_connection("127.0.0.1", port)
-    try:
-        writer.write(request)
-        await writer.drain()
-        async with asyncio.timeout(5):
-            head = await reader.readuntil(b"\r\n\r\n")
-            body = await reader.read()  # the sidecar closes after the answer
-    finally:
-        writer.close()
-    return head, body
-
-
 @pytest.mark.parametrize("request_line", [b"GET /echo HTTP/2.0", b"GET /echo"],
                          ids=["http-2.0", "http-0.9"])
 async def test_other_http_versions_get_a_json_505_in_http_1_1(
         request_line: bytes, engine: FakeEngine, sidecar: Servers) -> None:
     """llhttp parses these two (it refuses HTTP/1.2 itself); before, the request was proxied and
     answered with an ``HTTP/2.0 200 OK`` (or ``HTTP/0.9``) status line in HTTP/1.1 framing."""
-    head, body = await _raw_head(sidecar.proxy_port, request_line + b"\r\nHost: x\r\n\r\n")
+    head, body = await _head_and_body(sidecar.proxy_port,
+                                      request_line + b"\r\nHost: x\r\n\r\n")
     assert head.startswith(b"HTTP/1.1 505 "), f"expected an HTTP/1.1 505, got {head!r}"
     assert b"connection: close" in head.lower(), head
     assert "HTTP/1.0 and HTTP/1.1" in json.loads(body)["error"]["message"], body
