@@ -145,6 +145,7 @@ class Floor:
     def __init__(self, engine_port: int) -> None:
         self.engine_port = engine_port
         self.idle: list[Upstream] = []
+        self.connecting: set[asyncio.Task[None]] = set()
         self.aborter = Aborter()
         self.ids = itertools.count()
 
@@ -191,7 +192,10 @@ class RawDownstream(asyncio.Protocol):
         if self.floor.idle:
             self.start(self.floor.idle.pop(), body)
         else:
-            asyncio.get_running_loop().create_task(self.connect(body))
+            task = asyncio.get_running_loop().create_task(self.connect(body),
+                                                          name="floor upstream connect")
+            self.floor.connecting.add(task)  # held until done: the loop keeps only weak refs
+            task.add_done_callback(self.floor.connecting.discard)
 
     async def connect(self, body: bytes) -> None:
         self.start(await self.floor.upstream(), body)
