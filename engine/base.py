@@ -23,6 +23,10 @@ Before either, an early end asks :meth:`EngineAdapter.kept_after_disconnect`: th
 upstream connection closed; the proxy counts it in
 ``cancel_sidecar_kept_requests_total{engine, reason}``.
 
+An adapter whose kind ends an aborted request's response with an abort mark says so
+(:attr:`EngineAdapter.confirms`): the proxy then learns from the engine whether the work stopped
+(:mod:`sidecar.confirm`) instead of trusting the abort call's 200.
+
 The proxy owns all network I/O; adapters never touch a socket, so each can be tested exhaustively
 (and property-tested) on its own.
 """
@@ -173,6 +177,10 @@ class EngineAdapter(abc.ABC):
     default_health_path: ClassVar[str] = "/health"
     # How many ids one abort call may name: 1 for an engine that aborts one id per call.
     max_ids_per_call: ClassVar[int]
+    # True if an aborted request's own response ends at once with an abort mark (vLLM's and
+    # SGLang's finish_reason "abort"): the proxy then reads that confirmation on the upstream
+    # connection (sidecar.confirm) and re-sends the abort until it comes.
+    confirms: ClassVar[bool] = False
 
     def __init__(self, name: str, settings: EngineSettings) -> None:
         self.name = name

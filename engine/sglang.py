@@ -154,6 +154,9 @@ class SGLangAdapter(EngineAdapter):
     kind = EngineKind.SGLANG
     default_abort_path = "/abort_request"
     max_ids_per_call = 1
+    # An aborted request ends at once with finish_reason {"type": "abort", ...} (native) or
+    # "abort" (OpenAI routes) (sidecar.confirm).
+    confirms = True
     # Endpoints that abort work clients do not own: ``/abort_request`` (any rid, or
     # ``abort_all``), ``/pause_generation`` (``mode: abort`` aborts every request) and
     # ``/update_weight_version`` (``abort_all_requests``).

@@ -72,7 +72,8 @@ from collections import deque
 from dataclasses import dataclass, field
 
 from engine import AbortCall, EngineAdapter
-from sidecar.abort_wire import AbortPool, AbortWireError, PendingCall
+from sidecar.abort_wire import WARM, AbortPool, AbortWireError, PendingCall
+from sidecar.confirm import CONFIRMED, UNCONFIRMED, Confirmation
 from sidecar.logs import RequestLog
 from sidecar.metrics import Metrics
 from sidecar.tasks import TaskSet
@@ -89,6 +90,16 @@ RETRY_BACKOFF_MAX_S = 1.0
 RETRY_STATUSES = frozenset({502, 503, 504})
 MAX_COLD_POOLS = 256  # abort connection pools of engines not in the config (per-request targets)
 RESEND_FIRST_S = 0.005  # the first re-send, after the first call; then doubling
+# With a confirmation: the first re-send this long after the first call's answer, unless the
+# engine confirmed meanwhile (vLLM ends an aborted stream ~2 ms after the call that reached its
+# owner: ../shared/notes/cancellation-facts.md); then doubling, as RESEND_FIRST_S.
+CONFIRM_WAIT_S = 0.01
+# How long an engine counts as having several API-server processes after a request it surely
+# knew needed MULTI_CALLS calls or more to be confirmed: its re-sends widen inside the
+# registration window too (else they widen only once the window closed: one process, many
+# calls naming an id still registering would be for nothing).
+MULTI_MEMORY_S = 60.0
+MULTI_CALLS = 3
 RESEND_COALESCE_S = 0.002  # re-sends due this close together leave in one call
 # A batch of first calls waits for the next loop turn's flush at most this long: when a loop
 # turn is long (hundreds of clients leaving in it), the ids queued so far leave at once.
@@ -158,6 +169,9 @@ class _Request:
     outcome: str | None = None  # the first outcome that was not accepted, else accepted
     resend: _Resend | None = None  # its re-sends, if it ended inside the registration window
     first: bool = True  # False for a re-send: counted in no request-level metric
+    copies: int = 1  # a re-send: calls it makes at once, each on another abort connection
+    confirmation: Confirmation | None = None  # the engine's word that the work stopped
+    answered: bool = False  # its first call(s) ended; with a confirmation: awaiting the verdict
 
     def settle(self, outcome: str) -> bool:
         """Record a call's ``outcome``; True once every id was sent and answered."""
@@ -177,8 +191,16 @@ class _Resend:
     until: float
     due: float
     gap: float
-    stopped: bool = False  # a call naming its ids was refused: re-sending cannot help
+    stopped: bool = False  # refused (re-sending cannot help), or the engine confirmed
     pending: _Request | None = None  # the last re-send queued (one at a time per request)
+    # With a confirmation: each re-send makes ``width`` calls at once on as many abort
+    # connections, ``width`` doubling up to ``abort.fanout`` from ``widen_from`` (the ids are
+    # surely registered then); ``calls`` counts every call naming the ids (the first too), at
+    # most ``abort.max_calls``.
+    confirming: bool = False
+    widen_from: float = 0.0
+    width: int = 1
+    calls: int = 1
 
     def advance(self, max_interval_s: float) -> bool:
         """Move to the next re-send; False once the one at ``until`` was made."""
@@ -205,6 +227,7 @@ class _Queue:
     resends: list[tuple[float, int, _Resend]] = field(default_factory=list)  # heap by due
     resend_timer: asyncio.TimerHandle | None = None
     resend_at: float = 0.0  # time.monotonic() the timer is set for
+    multi_at: float = -MULTI_MEMORY_S  # several API-server processes seen then (MULTI_CALLS)
 
     def take(self, limit: int, *, resends: bool) -> tuple[tuple[str, ...], list[_Request]]:
         """Up to ``limit`` waiting ids, oldest first, first calls before re-sends (those only if
@@ -216,6 +239,11 @@ class _Queue:
             taken = len(ids)
             while line and len(ids) < limit:
                 request = line[0]
+                if request.resend is not None and request.resend.stopped and not request.first:
+                    line.popleft()  # confirmed (or refused) while it waited: not sent
+                    self.resending_ids -= request.unsent
+                    request.unsent = 0
+                    continue
                 start = len(request.ids) - request.unsent
                 count = min(request.unsent, limit - len(ids))
                 ids.extend(request.ids[start:start + count])
@@ -255,14 +283,17 @@ class Aborter:
         self._in_flight = 0
         self._order = itertools.count()  # ties in the re-send heap
         self._closed = False
+        # Requests whose first call was answered, waiting for their engine's verdict.
+        self._confirming: dict[_Request, EngineAdapter] = {}
 
     def warm(self, engines: list[EngineAdapter]) -> None:
-        """Open a warm abort connection to each engine that aborts (at startup and after a
+        """Open warm abort connections to each engine that aborts (at startup and after a
         reload), so the first abort after it waits for no handshake."""
         for engine in engines:
             if engine.aborts:
                 self._warm.add(engine.base_url)
                 pool = self._pool(engine)
+                pool.size, pool.spread = _spread(engine)
                 if not pool.warm:
                     pool.warm = True
                     pool.start()
@@ -271,7 +302,8 @@ class Aborter:
         url = engine.base_url
         pool = self._pools.pop(url, None)
         if pool is None:
-            pool = AbortPool(url, warm=url in self._warm)
+            size, spread = _spread(engine)
+            pool = AbortPool(url, warm=url in self._warm, size=size, spread=spread)
             pool.start()
             cold = [u for u in self._pools if u not in self._warm]
             if len(cold) >= MAX_COLD_POOLS:  # the least recently used
@@ -281,17 +313,24 @@ class Aborter:
         return pool
 
     async def close(self) -> None:
-        """Stop the re-sends still due and close the abort connections (after the drain)."""
+        """Stop the re-sends still due, give up the confirmations still awaited (their upstream
+        connections closed, their outcome ``cancelled``) and close the abort connections (after
+        the drain)."""
         self._closed = True
         for queue in self._queues.values():
             if queue.resend_timer is not None:
                 queue.resend_timer.cancel()
             queue.resends.clear()
+        for request, engine in list(self._confirming.items()):
+            assert request.confirmation is not None
+            request.confirmation.close()
+            self._report(engine, request, "cancelled")
         await asyncio.gather(*(pool.close() for pool in self._pools.values()))
 
     def abort(self, engine: EngineAdapter, ids: tuple[str, ...], sidecar_id: str,
               noticed_at: float, request_log: RequestLog | None = None,
-              body_sent_at: float | None = None) -> None:
+              body_sent_at: float | None = None,
+              confirmation: Confirmation | None = None) -> None:
         """Queue ``ids`` (non-empty) for an abort call at ``engine``; returns at once.
 
         ``noticed_at`` is the ``time.monotonic()`` at which the disconnect was noticed; the
@@ -303,7 +342,15 @@ class Aborter:
         engine got the whole body, or, for ids the engine may register any time later
         (:meth:`~engine.base.EngineAdapter.registers_later`), the disconnect itself; if the
         window is still open, the ids are re-sent until it closes (:class:`_Resend`); ``None``:
-        no re-sends. Raises ``ValueError`` on an empty ``ids``.
+        no re-sends.
+
+        ``confirmation``: the request's upstream response, watched for the engine's word that
+        the work stopped (:mod:`sidecar.confirm`). Then the ids are re-sent until that verdict
+        (whatever ``body_sent_at``), spread over the abort connections, for at most
+        ``abort.confirm_timeout_s`` after ``noticed_at`` (or the registration window's end, if
+        later), and the request's outcome is the verdict (``confirmed``, ``finished``,
+        ``unconfirmed``), unless the first call was refused. Raises ``ValueError`` on an empty
+        ``ids``.
         """
         if not ids:
             raise ValueError("refusing an empty id list: an engine may read it as 'abort all'")
@@ -312,7 +359,20 @@ class Aborter:
         if request_log is not None:
             request_log.abort_started()
         window_s = engine.settings.abort.resend_window_s
-        if body_sent_at is not None and window_s > 0 and not self._closed:
+        if confirmation is not None and not self._closed:
+            until = noticed_at + engine.settings.abort.confirm_timeout_s
+            if body_sent_at is not None and window_s > 0:
+                until = max(until, body_sent_at + window_s)
+            request.confirmation = confirmation
+            # Known to the engine once the registration window closed (or at once: None):
+            # from then a call that changes nothing reached another API-server process than
+            # the owner's, so the re-sends widen; before, it may be registering, as with one.
+            known = noticed_at if body_sent_at is None else body_sent_at + window_s
+            request.resend = _Resend(ids, sidecar_id, until, min(noticed_at + CONFIRM_WAIT_S,
+                                                                 until),
+                                     CONFIRM_WAIT_S, confirming=True, widen_from=known)
+            confirmation.arm(until, lambda verdict: self._verdict(engine, request, verdict))
+        elif body_sent_at is not None and window_s > 0 and not self._closed:
             until = body_sent_at + window_s
             if until > noticed_at:
                 # Scheduled once the first call is accepted (_finish): a refused one (403
@@ -390,17 +450,29 @@ class Aborter:
         queue.resend_timer = None
         now = time.monotonic()
         engine = queue.engine
-        max_interval_s = engine.settings.abort.resend_max_interval_s
+        settings = engine.settings.abort
+        max_interval_s = settings.resend_max_interval_s
         count = 0
         while queue.resends and queue.resends[0][0] <= now + RESEND_COALESCE_S:
             _, _, resend = heapq.heappop(queue.resends)
             if resend.stopped:
                 continue
             if resend.pending is None or resend.pending.unsent == 0:  # the last one went out
+                copies = 1
+                if resend.confirming:  # wider each time: other abort connections, processes
+                    copies = min(resend.width, settings.max_calls - resend.calls)
+                    if now >= resend.widen_from or now - queue.multi_at < MULTI_MEMORY_S:
+                        resend.width = min(resend.width * 2, settings.fanout)
+                        if resend.calls >= settings.connections:  # every one went unconfirmed
+                            self._pool(engine).reshuffle(copies)
+                    resend.calls += copies
                 again = resend.pending = _Request(resend.ids, resend.sidecar_id, now, None,
-                                                  len(resend.ids), resend=resend, first=False)
+                                                  len(resend.ids), resend=resend, first=False,
+                                                  copies=copies)
                 self._enqueue(queue, again)
-                count += len(resend.ids)
+                count += len(resend.ids) * copies
+            if resend.confirming and resend.calls >= settings.max_calls:
+                continue  # its bound: the verdict is awaited without more calls
             if resend.advance(max_interval_s):
                 heapq.heappush(queue.resends, (resend.due, next(self._order), resend))
         if count:
@@ -461,16 +533,34 @@ class Aborter:
         while queue.ready() and self._in_flight < MAX_CONCURRENT_CALLS:
             ids, requests = queue.take(engine.max_ids_per_call,
                                        resends=queue.in_flight < RESEND_SLOTS)
+            if not ids:  # only re-sends that a confirmation made needless
+                continue
             call = engine.abort_call(ids)
-            queue.in_flight += 1
-            self._in_flight += 1
-            try:
-                pending: PendingCall | None = self._pool(engine).begin(
-                    call.path, call.json, engine.abort_headers())
-            except Exception:  # noqa: BLE001 - _post makes it again and reports the error
-                pending = None
-            self._tasks.spawn(self._send(queue, call, len(ids), requests, pending),
-                              name=f"abort {engine.name}: {len(ids)} id(s)")
+            # A re-send spread over several abort connections (each may reach another of the
+            # engine's API-server processes): the same call, once on each.
+            # As many as the widest re-send asks, within every re-send's abort.max_calls.
+            budget = min((engine.settings.abort.max_calls - r.resend.calls + r.copies
+                          for r in requests if not r.first and r.resend is not None),
+                         default=MAX_CALLS_PER_ENGINE)
+            copies = max(1, min(max(r.copies for r in requests), budget,
+                                MAX_CALLS_PER_ENGINE - queue.in_flight,
+                                MAX_CONCURRENT_CALLS - self._in_flight))
+            for request in requests:
+                if not request.first and request.resend is not None:
+                    request.resend.calls += copies - request.copies  # as made, not as planned
+            for copy in range(copies):
+                if copy:
+                    for request in requests:
+                        request.calls += 1
+                queue.in_flight += 1
+                self._in_flight += 1
+                try:
+                    pending: PendingCall | None = self._pool(engine).begin(
+                        call.path, call.json, engine.abort_headers())
+                except Exception:  # noqa: BLE001 - _post makes it again and reports the error
+                    pending = None
+                self._tasks.spawn(self._send(queue, call, len(ids), requests, pending),
+                                  name=f"abort {engine.name}: {len(ids)} id(s)")
         if queue.idle() and self._queues.get(engine) is queue:
             del self._queues[engine]
 
@@ -569,19 +659,72 @@ class Aborter:
 
     def _finish(self, engine: EngineAdapter, request: _Request) -> None:
         """Every id of ``request`` was answered (or will never be sent): count and report it
-        (a re-send is counted only in ``abort_calls_total`` and ``abort_resent_ids_total``)."""
+        (a re-send is counted only in ``abort_calls_total`` and ``abort_resent_ids_total``),
+        or, with a confirmation still open, re-send until the verdict (:meth:`_verdict`)."""
         if not request.first:
             return
+        request.answered = True
         outcome = request.outcome or _OK
         resend = request.resend
-        if resend is not None and outcome == _OK and not resend.stopped and not self._closed:
+        confirmation = request.confirmation
+        if confirmation is not None:
+            if confirmation.open:
+                if outcome == _OK:
+                    # The engine's verdict decides; re-sends meanwhile, the first once the
+                    # engine had time to end the response (it aborts after it answers: vLLM's
+                    # endpoint starts the abort in a task).
+                    self._confirming[request] = engine
+                    if resend is not None and not resend.stopped and not self._closed:
+                        resend.due = min(max(resend.due, time.monotonic() + CONFIRM_WAIT_S),
+                                         resend.until)
+                        self._schedule_resend(self._queue(engine), resend)
+                    return
+                # Refused, failed, dropped or cancelled: the abort path is broken, so the
+                # upstream close, the other way the work stops, comes now.
+                confirmation.close()
+            elif confirmation.verdict is not None:  # the engine ended it before the answer
+                outcome = _verdict_outcome(outcome, confirmation.verdict)
+        elif resend is not None and outcome == _OK and not resend.stopped and not self._closed:
             queue = self._queue(engine)
             resend.due = min(max(resend.due, time.monotonic()), resend.until)
             self._schedule_resend(queue, resend)
-        latency = time.monotonic() - request.noticed_at
-        self._metrics.child(self._metrics.aborted_requests, engine.name, outcome).inc()
+        self._report(engine, request, outcome)
+
+    def _verdict(self, engine: EngineAdapter, request: _Request, verdict: str) -> None:
+        """The engine's verdict on ``request`` (:class:`~sidecar.confirm.Confirmation`): no more
+        re-sends; reported now if its first call was answered, else by :meth:`_finish`."""
+        resend = request.resend
+        if resend is not None:
+            resend.stopped = True
+            if (verdict == CONFIRMED and resend.widen_from <= request.noticed_at
+                    and resend.calls >= MULTI_CALLS):
+                self._queue(engine).multi_at = time.monotonic()
+        if request.answered:
+            self._report(engine, request, _verdict_outcome(request.outcome or _OK, verdict))
+
+    def _report(self, engine: EngineAdapter, request: _Request, outcome: str) -> None:
+        """Count ``request``'s final ``outcome`` once, observe its latency, tell its access
+        line."""
+        self._confirming.pop(request, None)
+        confirmation = request.confirmation
+        decided = confirmation.decided_at if confirmation is not None else None
+        latency = (decided or time.monotonic()) - request.noticed_at
+        metrics = self._metrics
+        metrics.child(metrics.aborted_requests, engine.name, outcome).inc()
         if outcome == _OK:
-            self._metrics.child(self._metrics.abort_latency, engine.name).observe(latency)
+            metrics.child(metrics.abort_latency, engine.name).observe(latency)
+        elif outcome == CONFIRMED:
+            metrics.child(metrics.abort_confirm_latency, engine.name).observe(latency)
+        resend = request.resend
+        if confirmation is not None and resend is not None:
+            metrics.child(metrics.abort_calls_per_request, engine.name).observe(resend.calls)
+            if outcome == UNCONFIRMED:
+                log.warning("request %s: engine %s did not confirm that it stopped (ids %s) "
+                            "within %.1f s of the disconnect, after %d abort call(s); its "
+                            "upstream connection is closed; counted in "
+                            "cancel_sidecar_aborted_requests_total{outcome=\"unconfirmed\"}",
+                            request.sidecar_id, engine.name, " ".join(request.ids[:_LOGGED_IDS]),
+                            latency, resend.calls)
         if request.request_log is not None:
             request.request_log.abort_done(outcome, latency)
 
@@ -593,11 +736,13 @@ class Aborter:
             named += f" (+{len(requests) - _LOGGED_IDS} more)"
         if answer.outcome == _OK:
             resent = sum(not r.first for r in requests)
-            log.info("engine %s accepted an abort call naming %d id(s) of %d request(s) [%s]%s "
-                     "in %.1f ms (attempt %d of %d; an engine ignores ids it does not know yet)",
-                     engine.name, count, len(requests), named,
-                     f", {resent} of them re-sent" if resent else "", answer.took * 1000,
-                     attempt, attempts)
+            # Re-sends alone (many, spread until a confirmation) at DEBUG.
+            log.log(logging.DEBUG if resent == len(requests) else logging.INFO,
+                    "engine %s accepted an abort call naming %d id(s) of %d request(s) [%s]%s "
+                    "in %.1f ms (attempt %d of %d; an engine ignores ids it does not know yet)",
+                    engine.name, count, len(requests), named,
+                    f", {resent} of them re-sent" if resent else "", answer.took * 1000,
+                    attempt, attempts)
             return
         hint = f" ({answer.hint})" if answer.hint else ""
         if retry:
@@ -610,3 +755,19 @@ class Aborter:
                     "(%s after %.1f ms); attempt %d of %d, %s", engine.name, count,
                     len(requests), named, answer.detail, hint, answer.outcome,
                     answer.took * 1000, attempt, attempts, then)
+
+
+def _verdict_outcome(answered: str, verdict: str) -> str:
+    """A confirmable request's outcome: the engine's verdict, unless nothing was confirmed and
+    its first call had failed (``timeout``, ``error``): then that failure."""
+    return answered if verdict == UNCONFIRMED and answered != _OK else verdict
+
+
+def _spread(engine: EngineAdapter) -> tuple[int, bool]:
+    """The abort connections to keep warm for ``engine``, and whether to spread them over the
+    engine's API-server processes (an engine whose aborts are confirmed:
+    :class:`~sidecar.abort_wire.AbortPool`)."""
+    settings = engine.settings.abort
+    if engine.confirms and settings.confirm_timeout_s > 0:
+        return settings.connections, True
+    return WARM, False

@@ -20,6 +20,18 @@ a future for the answer::
     AbortConnection (asyncio.Protocol): one call at a time, the answer parsed by httptools
       (llhttp, the parser uvicorn uses); closed on Connection: close, a timeout or bad bytes
 
+Several API-server processes behind one port (``vllm serve --api-server-count N``): each
+connection is accepted by one process for its life, and an abort only reaches the requests of the
+process that accepted its connection (``../shared/notes/cancellation-facts.md``). For an engine
+whose aborts are confirmed (:mod:`sidecar.confirm`) the pool spreads: it keeps ``size``
+connections (``engines.*.abort.connections``), opens them ``SPREAD_GAP_S`` apart (a connection
+the kernel completed waits in the listen backlog until a process calls ``accept``, and the
+process awake first takes every connection queued: uvloop accepts until the backlog is empty;
+apart, each is a race of its own among the processes), and hands out the least recently used
+idle one, so that successive calls for one request go to other connections, and other
+processes, than the call that just missed. A request whose calls went round every connection
+unconfirmed (no process they reach owns it) makes the pool replace some (:meth:`reshuffle`).
+
 Only what an abort call needs: ``POST`` with a JSON body and the bearer key, a status back, the
 answer body read and dropped, never a redirect followed. Failures raise :class:`AbortWireError`
 (``transient``: worth another attempt, as :func:`sidecar.abort.transient` decides for statuses).
@@ -52,7 +64,10 @@ WARM = 8  # idle connections kept open per engine, one per call an engine may ha
 # (median of 8 storms, python -m bench's storm at 100 ms/token, traced)
 RECYCLE_S = 4.0  # an idle connection older than this is replaced (uvicorn closes idle ones at 5 s)
 REOPEN_BACKOFF_S = 1.0  # between attempts to reopen the warm connection of an unreachable engine
-MAX_IDLE = 8  # idle connections kept after a burst of concurrent calls
+MAX_IDLE = 8  # idle connections kept after a burst of concurrent calls (at least ``size``)
+# Between two new spread connections, seconds: each is accepted in a race of its own.
+SPREAD_GAP_S = 0.005
+RESHUFFLE_S = 0.05  # a spread pool replaces connections at most this often (reshuffle)
 
 
 class AbortWireError(SidecarError):
@@ -149,9 +164,14 @@ class PendingCall:
 class AbortPool:
     """The abort connections of one engine origin (``base_url``: ``http[s]://host:port``)."""
 
-    def __init__(self, base_url: str, *, warm: bool = True) -> None:
+    def __init__(self, base_url: str, *, warm: bool = True, size: int = WARM,
+                 spread: bool = False) -> None:
         parts = urlsplit(base_url)
-        self.warm = warm  # keep WARM connections open; else idle ones just expire
+        self.warm = warm  # keep ``size`` connections open; else idle ones just expire
+        self.size = size
+        # Spread (module docstring): new warm connections SPREAD_GAP_S apart, and calls take
+        # the least recently used idle connection.
+        self.spread = spread
         self._secure = parts.scheme == "https"
         self._host = parts.hostname or ""
         self._port = parts.port or (443 if self._secure else 80)
@@ -164,6 +184,7 @@ class AbortPool:
         self._loop = asyncio.get_running_loop()
         self._recycler: asyncio.TimerHandle | None = None
         self._keeper: asyncio.Task[None] | None = None
+        self._reshuffled = -RESHUFFLE_S
 
     def start(self) -> None:
         """Open the warm connection of a ``warm`` pool (in the background; an engine not up yet
@@ -213,7 +234,9 @@ class AbortPool:
 
     def _take_idle(self) -> AbortConnection | None:
         while self._idle:
-            conn = self._idle.pop()  # the most recently used: the least likely to be stale
+            # Spread: the least recently used (another process than the last call's, maybe);
+            # else the most recently used, the least likely to be stale.
+            conn = self._idle.popleft() if self.spread else self._idle.pop()
             if conn.open:
                 return conn
         return None
@@ -229,7 +252,7 @@ class AbortPool:
         return conn
 
     def idle_again(self, conn: AbortConnection) -> None:
-        if self._closed or len(self._idle) >= MAX_IDLE:
+        if self._closed or len(self._idle) >= max(MAX_IDLE, self.size):
             conn.close()
             return
         conn.idle_since = self._loop.time()
@@ -240,6 +263,19 @@ class AbortPool:
     def lost(self, conn: AbortConnection) -> None:
         if conn in self._idle:
             self._idle.remove(conn)
+        self._keep_warm()
+
+    def reshuffle(self, count: int) -> None:
+        """A spread pool's calls for one request went round every connection without reaching
+        its owner (no process of theirs owns it): close up to ``count`` idle connections,
+        least recently used first, and open others in their place, ``SPREAD_GAP_S`` apart, each
+        accepted by whichever process wins its race. At most once per ``RESHUFFLE_S``."""
+        now = self._loop.time()
+        if not self.spread or now - self._reshuffled < RESHUFFLE_S:
+            return
+        self._reshuffled = now
+        for _ in range(min(count, len(self._idle))):
+            self._idle.popleft().close()  # its connection_lost: lost() -> _keep_warm()
         self._keep_warm()
 
     def _recycle(self) -> None:
@@ -254,7 +290,7 @@ class AbortPool:
             self._recycler = self._loop.call_at(oldest + RECYCLE_S, self._recycle)
 
     def _keep_warm(self) -> None:
-        if not self.warm or self._closed or self._keeping or len(self._idle) >= WARM:
+        if not self.warm or self._closed or self._keeping or len(self._idle) >= self.size:
             return
         self._keeping = True
         # Not a TaskSet task: it lives as long as the pool (an unreachable engine is retried
@@ -264,7 +300,7 @@ class AbortPool:
 
     async def _reopen(self) -> None:
         try:
-            while not self._closed and len(self._idle) < WARM:
+            while not self._closed and len(self._idle) < self.size:
                 try:
                     conn = await self._open()
                 except (AbortWireError, ssl.SSLError) as exc:
@@ -273,6 +309,8 @@ class AbortPool:
                     await asyncio.sleep(REOPEN_BACKOFF_S)
                     continue
                 self.idle_again(conn)
+                if self.spread:
+                    await asyncio.sleep(SPREAD_GAP_S)
         finally:
             self._keeping = False
 

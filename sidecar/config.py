@@ -219,6 +219,20 @@ class AbortSettings(_Model):
     after the window one call. The defaults cover text prompts (preprocessing of milliseconds
     to a few hundred); raise the window for media URLs (seconds of downloads). 0: one call,
     no re-sends.
+
+    Confirmation (engine kinds that say on the request's own connection that it stopped: vllm,
+    sglang; :mod:`sidecar.confirm`). After a disconnect the upstream connection stays open and is
+    read, not relayed, until the engine ends the response: ``confirmed`` if it ended aborted,
+    ``finished`` if it had ended on its own. Until then the ids are re-sent (whatever the
+    registration window), each re-send on other abort connections than the last, the width
+    doubling from 1 to ``fanout`` calls, at most ``max_calls`` calls per request, because an
+    engine with several API-server processes (``vllm serve --api-server-count N``) ignores an
+    abort that reaches another process than the owner's. ``connections``: warm abort connections
+    kept per engine (each reaches one process: keep it at least twice the process count).
+    ``confirm_timeout_s``: seconds after the disconnect (or the registration window's end, if
+    later) after which the request is ``unconfirmed`` (counted, a WARNING) and its upstream
+    closed; 0: no confirmation (the upstream closed at once, outcome ``accepted``, re-sends only
+    inside the registration window).
     """
 
     path: Annotated[str | None, AfterValidator(_http_path)] = None
@@ -227,6 +241,10 @@ class AbortSettings(_Model):
     retries: Annotated[int, Field(ge=0, le=10), NotBool] = 2
     resend_window_s: SecondsOrZero = 2.0
     resend_max_interval_s: Seconds = 0.2
+    confirm_timeout_s: SecondsOrZero = 2.0
+    connections: Annotated[int, Field(ge=1, le=64), NotBool] = 16
+    fanout: Annotated[int, Field(ge=1, le=64), NotBool] = 8
+    max_calls: Annotated[int, Field(ge=1, le=1000), NotBool] = 64
 
 
 class EngineSettings(_Model):

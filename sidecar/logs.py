@@ -23,16 +23,20 @@ requests, run in their own tasks and outlive the handler). JSON fields, in order
                          before_first_byte, awaiting_response, streaming), or null
     cancel_reason        null, or why the sidecar itself ended the request
                          ("cancelled via API": POST /v1/requests/{id}/cancel)
-    abort                null, or the final outcome (after retries) of the first call(s)
-                         that carried the request's ids: accepted (answered 2xx: the engine
-                         took the call, not proof it knew the ids or stopped anything; the
-                         re-sends inside the registration window come later and are not
-                         waited for), http_<status>, timeout, error
-                         (cancelled: the sidecar shut down before the call ended;
-                         dropped: the engine's abort queue was full); with several abort
-                         engines (routes[].abort) the first that was not accepted over them all
+    abort                null, or the final outcome of the request's abort. Engine kinds that
+                         confirm (vllm, sglang; sidecar.confirm): confirmed (the engine ended
+                         the request's response aborted), finished (it ended on its own
+                         first), unconfirmed (nothing ended within abort.confirm_timeout_s;
+                         a WARNING names the ids). Others: accepted (the first call was
+                         answered 2xx: not proof the engine knew the ids or stopped anything;
+                         the re-sends inside the registration window come later and are not
+                         waited for). Any kind: http_<status>, timeout, error (the first call
+                         failed, after its retries), cancelled (the sidecar shut down first),
+                         dropped (the engine's abort queue was full). With several abort
+                         engines (routes[].abort) the weakest: a failure, else accepted, else
+                         the engines' own word
     abort_latency_s      seconds from noticing the disconnect to that outcome (the slowest
-                         engine's), or null
+                         engine's; for confirmed, to the end of the engine's response), or null
     kept_by_engine       null, or why a request that ended early was not aborted on purpose:
                          its engine keeps it after the client leaves (background_response,
                          response_retrieval); its abort is then null
@@ -65,7 +69,9 @@ ACCESS_LOGGER = "sidecar.access"
 
 access_log = logging.getLogger(ACCESS_LOGGER)
 
-_OK = "accepted"  # a request with several abort calls reports the first that was not accepted
+# A request with several abort engines reports the weakest outcome: the first failure, else
+# accepted (taken, unconfirmed) over the engine's own word (confirmed, finished).
+_RANK = {"confirmed": 0, "finished": 0, "accepted": 1}
 
 
 def configure_logging(level: str, fmt: LogFormat) -> None:
@@ -159,10 +165,10 @@ class RequestLog:
         self._pending += 1
 
     def abort_done(self, outcome: str, latency_s: float) -> None:
-        """An abort call ended with ``outcome`` (``accepted``, ``http_<status>``, ``timeout``,
-        ``error``, ``cancelled``, ``dropped``), ``latency_s`` seconds after the disconnect was
-        noticed."""
-        if self._abort is None or self._abort == _OK:
+        """An engine's abort of this request ended with ``outcome`` (``confirmed``,
+        ``finished``, ``unconfirmed``, ``accepted``, ``http_<status>``, ``timeout``, ``error``,
+        ``cancelled``, ``dropped``), ``latency_s`` seconds after the disconnect was noticed."""
+        if self._abort is None or _RANK.get(outcome, 2) > _RANK.get(self._abort, 2):
             self._abort = outcome
         self._abort_latency = max(latency_s, self._abort_latency or 0.0)
         self._release()

@@ -16,6 +16,7 @@ from prometheus_client.metrics import MetricWrapperBase
 _FAST_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0)
 # Seconds an upgraded connection (a WebSocket session) lasted: a refused handshake to hours.
 _TUNNEL_BUCKETS = (0.01, 0.1, 1.0, 10.0, 30.0, 60.0, 300.0, 900.0, 1800.0, 3600.0, 14400.0)
+_CALL_BUCKETS = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 64, 128)
 _TTFB_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 300.0)
 
 
@@ -72,10 +73,13 @@ class Metrics:
         self.aborted_requests = Counter(
             "cancel_sidecar_aborted_requests_total",
             "Requests whose engine ids the sidecar set out to abort, by engine and the final "
-            "outcome of the first call that carried them, after its retries (accepted: the "
-            "engine answered 2xx, not proof that it stopped anything; http_<status>, timeout, "
-            "error; dropped: the engine's abort queue was full, never sent; cancelled: the "
-            "sidecar stopped first). Re-sends are not counted here.",
+            "outcome. Engine kinds that confirm (vllm, sglang): confirmed (the engine ended the "
+            "request's response aborted), finished (it ended on its own first), unconfirmed "
+            "(nothing ended within engines.*.abort.confirm_timeout_s: alert on it). Other kinds: "
+            "accepted (the first call that carried them was answered 2xx, not proof that it "
+            "stopped anything). Any kind: http_<status>, timeout, error (the first call failed, "
+            "after its retries); dropped (the engine's abort queue was full, never sent); "
+            "cancelled (the sidecar stopped first). Re-sends are not counted here.",
             ["engine", "outcome"], registry=registry)
         self.unabortable = Counter(
             "cancel_sidecar_unabortable_requests_total",
@@ -106,6 +110,18 @@ class Metrics:
             "Per request whose abort was accepted: time from the sidecar noticing its client's "
             "disconnect to the engine's 2xx answer to the first call that carried its ids.",
             ["engine"], buckets=_FAST_BUCKETS, registry=registry)
+        self.abort_confirm_latency = Histogram(
+            "cancel_sidecar_abort_confirm_seconds",
+            "Per request whose abort the engine confirmed: time from the sidecar noticing its "
+            "client's disconnect to the engine ending the request's response aborted (read on "
+            "its upstream connection: sidecar.confirm).",
+            ["engine"], buckets=_FAST_BUCKETS, registry=registry)
+        self.abort_calls_per_request = Histogram(
+            "cancel_sidecar_abort_calls_per_request",
+            "Per request with a confirmation (engine kinds vllm, sglang), at its verdict: abort "
+            "calls that named its ids (the first, its retries not counted, and every re-send on "
+            "each abort connection), at most engines.*.abort.max_calls.",
+            ["engine"], buckets=_CALL_BUCKETS, registry=registry)
         self.upstream_errors = Counter(
             "cancel_sidecar_upstream_errors_total",
             "Upstream failures, by engine and kind (ConnectError, ConnectTimeout, "

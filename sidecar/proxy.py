@@ -51,6 +51,7 @@ from engine import EngineAdapter, Kept, Unabortable
 from sidecar import tunnel
 from sidecar.abort import Aborter
 from sidecar.config import MAX_SECONDS
+from sidecar.confirm import Confirmation
 from sidecar.errors import (
     DownstreamError,
     RequestBodyTooLarge,
@@ -169,6 +170,10 @@ class Exchange:
         self.body: RequestBody | None = None
         self.body_unrewritten = False  # over replay_buffer_bytes on a body-rewriting route
         self.upstream: UpstreamResponse | None = None
+        self.sending: UpstreamResponse | None = None  # the attempt in flight, head or not
+        # After an early end at an engine that confirms: the upstream response, read for the
+        # engine's word that it stopped (sidecar.confirm); it owns the connection from then.
+        self.confirmation: Confirmation | None = None
         self.upstream_finished = False  # engine sent its whole response, or the hop failed
         # For the access line: what went downstream, and where the exchange was stopped.
         self.status_sent: int | None = None
@@ -230,7 +235,7 @@ class Exchange:
             upstream = await open_upstream(
                 self.runtime.pool, settings, request.method, engine.base_url,
                 self.target_path, headers, self.body, self.id,
-                wanted=lambda: self.noticed_at is None)
+                wanted=lambda: self.noticed_at is None, sent=self._sent)
         except DownstreamError as exc:
             return await self._refuse_body(exc)
         except UpstreamError as exc:
@@ -307,6 +312,9 @@ class Exchange:
         self.upstream_finished = True
         await response.write_eof()
         return response
+
+    def _sent(self, response: UpstreamResponse) -> None:
+        self.sending = response
 
     def _observe_ttfb(self, seconds: float) -> None:
         """``cancel_sidecar_upstream_time_to_first_byte_seconds``: the upstream request sent ->
@@ -392,11 +400,18 @@ class Exchange:
             self.upstream.close()
             self.upstream_finished = True
 
-    def _abort_now(self, noticed_at: float, *, close_later: bool = False) -> None:
+    def _abort_now(self, noticed_at: float, *, close_later: bool = False,
+                   confirm: bool = True) -> None:
         """Queue the abort at every abort engine (if the engine had the whole body) and close
         the upstream; the part of stopping that cannot wait. Once per request.
         ``close_later`` (a disconnect): the upstream stays open for the handler's teardown to
-        close if an abort was queued, else it is closed in a callback of its own."""
+        close if an abort was queued, else it is closed in a callback of its own.
+
+        If the upstream engine itself is aborted and its kind confirms
+        (:attr:`~engine.base.EngineAdapter.confirms`, ``abort.confirm_timeout_s`` > 0), the
+        upstream is not closed: its response goes to a :class:`~sidecar.confirm.Confirmation`
+        (nothing more reaches the client), which closes it at the engine's verdict or its bound
+        (``confirm``: False when the sidecar closes the upstream itself: a timeout)."""
         self.noticed_at = noticed_at
         plan, request_body = self.prepared, self.body
         if plan is None:  # derived now (no response relaying yet, or deriving counts or logs)
@@ -419,12 +434,26 @@ class Exchange:
             # concurrently, each with the ids its own kind derives.
             # Ids an engine may register long after the body (vLLM's Responses turns after a
             # built-in tool: EngineAdapter.registers_later) are re-sent for the window from now.
+            upstream = self.upstream or self.sending
             for engine, ids, once_streaming, later in (
                     self.abort_plan(body) if plan is None else plan):
                 registered = streamed and once_streaming and len(ids) == 1
+                confirmation = None
+                if (confirm and upstream is not None and engine.confirms
+                        and self.confirmation is None and not upstream.complete
+                        and engine.base_url == self.target.engine.base_url
+                        and engine.settings.abort.confirm_timeout_s > 0):
+                    confirmation = self.confirmation = Confirmation(upstream)
                 self.aborter.abort(engine, ids, self.id, noticed_at, self.access,
-                                   None if registered else noticed_at if later else body_sent_at)
+                                   None if registered else noticed_at if later else body_sent_at,
+                                   confirmation)
                 self.aborting += len(ids)
+            if self.confirmation is not None and upstream is not None:
+                if self.downstream is not None:
+                    self.downstream.gone = True
+                upstream.watch(self.confirmation)
+                self.upstream_finished = True  # the confirmation closes it
+                return
         if close_later and self.aborting:
             self._stop_reading_upstream()
             return
@@ -453,14 +482,16 @@ class Exchange:
             # Only ever reached from client_gone, which the downstream protocol's hook calls.
             cast(LossHook, self.request.protocol).follow_up(connection.end)
 
-    def _stop(self, reason: str, *, disconnect: bool) -> None:
+    def _stop(self, reason: str, *, disconnect: bool, confirm: bool = True) -> None:
         if self.noticed_at is None:
-            self._abort_now(time.monotonic())
+            self._abort_now(time.monotonic(), confirm=confirm)
         self.stop_recorded = True
         if disconnect:
             self.metrics.disconnects.labels(self.target.prefix, str(self.phase)).inc()
         aborting = self.aborting
-        log.info("request %s: %s during %s; upstream closed, %s", self.id, reason, self.phase,
+        log.info("request %s: %s during %s; %s, %s", self.id, reason, self.phase,
+                 "upstream read for the engine's confirmation" if self.confirmation
+                 else "upstream closed",
                  f"aborting {aborting} engine id(s)" if aborting else "nothing to abort")
 
     def abort_plan(self, body: bytes | None) -> list[AbortStep]:
@@ -613,8 +644,8 @@ class Exchange:
         if exc.engine_may_hold_request:
             # A timeout or a malformed head: the engine may still be queuing or generating for
             # nobody, so abort it. (Connect errors: it never got the request; a close before the
-            # head: its side is gone.)
-            self._stop(kind, disconnect=False)
+            # head: its side is gone.) Its response is given up: nothing to confirm on.
+            self._stop(kind, disconnect=False, confirm=False)
         self.upstream_finished = True
         return self._error(exc.status, exc.client_message, exc.error_type)
 
@@ -639,7 +670,7 @@ class Exchange:
         log.warning("request %s: upstream %s mid-response: %s", self.id,
                     "fell silent" if timed_out else "broke", exc)
         if timed_out and not self.saw_done_event:
-            self._stop("read timeout", disconnect=False)
+            self._stop("read timeout", disconnect=False, confirm=False)
         self.upstream_finished = True
         assert self.upstream is not None
         self.upstream.close()

@@ -41,7 +41,7 @@ import ssl
 from collections import deque
 from collections.abc import Iterable
 from functools import lru_cache
-from typing import cast
+from typing import Protocol, cast
 from urllib.parse import urlsplit
 
 import httptools
@@ -158,12 +158,24 @@ class Downstream:
             self.upstream.resumed()
 
 
+class Watcher(Protocol):
+    """What reads a response after its client left and its engine was told to abort it
+    (:class:`sidecar.confirm.Confirmation`): every body piece, then its end or loss."""
+
+    paused: bool  # never: nobody slow is behind it
+
+    def write(self, piece: bytes) -> None: ...
+
+    def ended(self) -> None: ...
+
+
 class UpstreamResponse:
     """One attempt's response on an :class:`UpstreamConnection`: the httptools callbacks.
 
     ``head`` resolves once the status line and headers are parsed (``status``, ``reason``,
     ``headers``), or raises the attempt's :class:`~sidecar.errors.UpstreamError`. Body pieces
-    that arrive before :meth:`relay` are kept in order.
+    that arrive before :meth:`relay` are kept in order. Once :meth:`watch` hands it to a
+    :class:`Watcher`, the pieces, the end and a loss go there, whatever the handler does.
     """
 
     def __init__(self, connection: UpstreamConnection, head_only: bool) -> None:
@@ -189,7 +201,8 @@ class UpstreamResponse:
         self.interim = False  # parsing a 1xx (skipped)
         self.failure: BaseException | None = None
         self.pending: list[bytes] = []  # body pieces before relay()
-        self.downstream: Downstream | None = None
+        self.downstream: Downstream | Watcher | None = None
+        self.watcher: Watcher | None = None  # after the client left (watch)
         self.reading_since: float | None = None  # loop time the relay began waiting for bytes
         self._timer: asyncio.TimerHandle | None = None
 
@@ -220,7 +233,8 @@ class UpstreamResponse:
         if self.status < 200:  # 101 or an unknown 1xx: its framing is not HTTP/1.1's
             raise UpstreamProtocolError(f"an unexpected interim response {self.status}")
         self.headers = CIMultiDictProxy(CIMultiDict(self._fields))
-        self.head.set_result(None)
+        if not self.head.done():  # cancelled with a handler whose client left: watched now
+            self.head.set_result(None)
         if self.head_only:  # a response to HEAD: no body, whatever its framing says
             raise _HeadOnly
 
@@ -238,6 +252,8 @@ class UpstreamResponse:
         self.connection.finished(self, self.parser.should_keep_alive())
         if self.done is not None and not self.done.done():
             self.done.set_result(None)
+        if self.watcher is not None:
+            self.watcher.ended()
 
     # the handler's side
     def take_pending(self) -> bytes:
@@ -271,16 +287,40 @@ class UpstreamResponse:
         finally:
             if self._timer is not None:
                 self._timer.cancel()
-            self.downstream = downstream.upstream = None
+            downstream.upstream = None
+            if self.downstream is downstream:  # not handed to a watcher meanwhile
+                self.downstream = None
+
+    def watch(self, watcher: Watcher) -> None:
+        """The client left (or the sidecar ends the request) and the engine is being told to
+        abort it: from now on every body piece goes to ``watcher`` instead of the client, and
+        the response's end or loss is reported to it (``ended``), whether or not the handler
+        still runs. The engine's socket is read again if a slow client had paused it; closing
+        the response is then the watcher's to do (:meth:`close`)."""
+        self.watcher = watcher
+        self.downstream = watcher
+        if isinstance(self.failure, ConnectionResetError):
+            # A write found the client gone before the proxy knew (data_received): the
+            # client's loss, not the engine's; the response goes on for the watcher.
+            self.failure = None
+        if pending := self.take_pending():
+            watcher.write(pending)
+        if self.complete or self.failure is not None:
+            watcher.ended()
+            return
+        self.connection.resume_reading()
 
     def resumed(self) -> None:
         self.reading_since = self.connection.loop.time()
         self.connection.resume_reading()
 
     def fail(self, exc: BaseException) -> None:
-        """The attempt failed: its head or its body relay raises ``exc``."""
+        """The attempt failed: its head or its body relay raises ``exc``; a watcher hears
+        that the response ended."""
         if self.failure is None:
             self.failure = exc
+            if self.watcher is not None:
+                self.watcher.ended()
         if not self.head.done():
             self.head.set_exception(exc)
             self.head.exception()  # retrieved: a re-sent attempt may never await it

@@ -198,6 +198,7 @@ async def open_upstream(
     body: RequestBody,
     request_id: str,
     wanted: Callable[[], bool] = lambda: True,
+    sent: Callable[[UpstreamResponse], None] | None = None,
 ) -> UpstreamResponse:
     """Send the request to the engine at ``base_url`` (an origin) and return once its response
     head arrived; its body is then relayed with :meth:`UpstreamResponse.relay`.
@@ -213,14 +214,18 @@ async def open_upstream(
     parse) or :class:`UpstreamDisconnected` (closed or reset before the head, after the one
     re-send); :class:`~sidecar.errors.RequestBodyTooLarge` or
     :class:`~sidecar.errors.RequestBodyTimeout` if the client's body broke a limit first (never
-    re-sent). On any failure or cancellation the connection is closed, never pooled.
+    re-sent). On any failure or cancellation the connection is closed, never pooled, unless
+    the response was handed to a watcher meanwhile (:meth:`UpstreamResponse.watch`: the
+    client left and the engine's confirmation of its abort is read on it). ``sent``: told of
+    each attempt's response as soon as its request is written, before its head arrives.
     """
     engine = origin(base_url)
     fresh = False
     while True:
         try:
             async with asyncio.timeout(settings.first_byte_timeout_s):
-                return await _attempt(pool, engine, method, target, headers, body, fresh)
+                return await _attempt(pool, engine, method, target, headers, body, fresh,
+                                      sent)
         except DownstreamError:
             raise
         except UpstreamDisconnected as exc:
@@ -239,7 +244,8 @@ async def open_upstream(
 
 async def _attempt(pool: UpstreamPool, engine: Origin, method: str, target: str,
                    headers: CIMultiDict[str], body: RequestBody,
-                   fresh: bool) -> UpstreamResponse:
+                   fresh: bool,
+                   sent: Callable[[UpstreamResponse], None] | None = None) -> UpstreamResponse:
     """One attempt: the head and what is already here of the body written in one write, the
     rest of the body relayed by a task of its own (the engine may answer before it ends)."""
     connection = await pool.connection(engine, fresh)
@@ -259,6 +265,8 @@ async def _attempt(pool: UpstreamPool, engine: Origin, method: str, target: str,
     response = connection.send(head, [chunk_frame(p) for p in parts] if chunked else parts,
                                head_only=method == "HEAD")
     written = time.monotonic()
+    if sent is not None:
+        sent(response)
     if whole:
         body.sent()
     else:
@@ -271,7 +279,8 @@ async def _attempt(pool: UpstreamPool, engine: Origin, method: str, target: str,
         response.close()
         raise
     except BaseException:
-        response.close()
+        if response.watcher is None:
+            response.close()
         raise
     return response
 

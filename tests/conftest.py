@@ -47,9 +47,11 @@ async def sglang() -> AsyncIterator[SGLangEngine]:
     await fake.stop()
 
 
-def sidecar_settings(engine_url: str, **overrides: Any) -> Settings:
+def sidecar_settings(engine_url: str, *, confirm: bool = True, **overrides: Any) -> Settings:
     """A config for one vLLM-kind engine at ``engine_url``, free ports; ``overrides`` are merged
-    into the YAML tree (e.g. ``upstream={"first_byte_timeout_s": 0.5}``)."""
+    into the YAML tree (e.g. ``upstream={"first_byte_timeout_s": 0.5}``). ``confirm=False``:
+    ``abort.confirm_timeout_s: 0``, for an upstream that never ends an aborted response (a raw
+    server of :mod:`tests.upstreams`): the upstream closed at once, one call, ``accepted``."""
     tree: dict[str, Any] = {
         "listen": {"host": "127.0.0.1", "port": 0},
         "admin": {"host": "127.0.0.1", "port": 0},
@@ -57,7 +59,8 @@ def sidecar_settings(engine_url: str, **overrides: Any) -> Settings:
                               "abort": {"api_key": "sekret-key", "timeout_s": 2.0,
                                         # one call per request: these tests count the
                                         # first call; the re-sends have tests of their own
-                                        "resend_window_s": 0}}},
+                                        "resend_window_s": 0,
+                                        **({} if confirm else {"confirm_timeout_s": 0})}}},
         "routes": [{"prefix": "/", "engine": "local"}],
     }
     for key, value in overrides.items():

@@ -58,8 +58,15 @@ class Generation:
     body: Any
     started: float
     events_sent: int = 0
-    finished: bool = False  # the engine wrote its whole response
+    finished: bool = False  # the engine wrote its whole response, not aborted
     closed_at: float | None = None  # the connection went away before the end
+    aborted_at: float | None = None  # an abort named it: it ended at once, "abort" (as vLLM)
+    abort: asyncio.Event = field(default_factory=asyncio.Event, repr=False)
+
+    @property
+    def stopped_at(self) -> float | None:
+        """When the engine stopped it before its end: aborted, or its connection closed."""
+        return self.aborted_at if self.aborted_at is not None else self.closed_at
 
 
 @dataclass
@@ -92,6 +99,10 @@ class EngineRecord:
     abort_redirect: str | None = None  # answer every abort call (probes too) 307 to this URL
     abort_event: asyncio.Event = field(default_factory=asyncio.Event)
     closed_event: asyncio.Event = field(default_factory=asyncio.Event)
+    stopped_event: asyncio.Event = field(default_factory=asyncio.Event)  # aborted or closed
+    # False: abort calls end nothing (an engine whose aborts never reach the request's owner,
+    # e.g. another of vLLM's API-server processes): the sidecar cannot confirm.
+    abort_ends: bool = True
     started_event: asyncio.Event = field(default_factory=asyncio.Event)
 
     def aborted_ids(self) -> list[str]:
@@ -105,6 +116,15 @@ class EngineRecord:
 def _sse(data: dict[str, Any] | str) -> bytes:
     payload = data if isinstance(data, str) else json.dumps(data, separators=(",", ":"))
     return f"data: {payload}\n\n".encode()
+
+
+async def _until(event: asyncio.Event, seconds: float) -> None:
+    """Sleep ``seconds``, or less if ``event`` is set meanwhile."""
+    if seconds > 0 and not event.is_set():
+        try:
+            await asyncio.wait_for(event.wait(), seconds)
+        except TimeoutError:
+            pass
 
 
 def _float(request: web.Request, name: str, default: float) -> float:
@@ -199,7 +219,23 @@ class FakeEngine:
         if status == ABORT_RESET:
             self._die(request, "rst")
             return web.Response()  # never sent: the connection is gone
+        if 200 <= status < 300 and record.abort_ends:
+            self._end_aborted([str(i) for i in ids])
         return web.Response(status=status)
+
+    def _end_aborted(self, ids: list[str]) -> None:
+        """vLLM's abort: every running generation an id names (its X-Request-Id inside the
+        engine id: ``chatcmpl-{id}``, ``cmpl-{id}-{i}``, ``resp_{id}_{k}``...) ends at once,
+        a stream with a last chunk whose finish_reason is "abort" and ``data: [DONE]``, a JSON
+        answer at once with that finish_reason."""
+        now = time.monotonic()
+        for gen in self.record.generations:
+            if (gen.request_id and not gen.finished and gen.stopped_at is None
+                    and any(gen.request_id in i for i in ids)):
+                gen.aborted_at = now
+                gen.abort.set()
+                self.record.stopped_event.set()
+                self.watch.changed()
 
     async def listen_again(self) -> tuple[web.BaseSite, int]:
         """Another listening socket (a free port) for the same engine, e.g. one a test closes
@@ -235,6 +271,7 @@ class FakeEngine:
         except (asyncio.CancelledError, ConnectionResetError):
             gen.closed_at = time.monotonic()
             self.record.closed_event.set()
+            self.record.stopped_event.set()
             raise
 
     async def _generate(self, request: web.Request, body: Any,
@@ -242,11 +279,14 @@ class FakeEngine:
         tokens = int(request.query.get("tokens", "20"))
         interval = _float(request, "interval", 0.01)
         die_after = int(request.query.get("die_after", "-1"))
-        await asyncio.sleep(_float(request, "first_byte_delay", 0.0))
+        await _until(gen.abort, _float(request, "first_byte_delay", 0.0))
         if not body.get("stream"):
-            await asyncio.sleep(tokens * interval)
+            await _until(gen.abort, tokens * interval)
             answer = {"id": gen.request_id, "object": "chat.completion",
                       "choices": [{"index": 0, "text": "x" * tokens}]}
+            if gen.abort.is_set():
+                answer["choices"][0]["finish_reason"] = "abort"
+                return web.json_response(answer)
             if int(request.query.get("body_pieces", "1")) > 1:
                 return await self._json_in_pieces(request, answer, gen)
             gen.finished = True
@@ -257,9 +297,14 @@ class FakeEngine:
             if i == die_after:
                 self._die(request, request.query.get("die", "fin"))
                 return response
+            if gen.abort.is_set():
+                await response.write(_sse({"id": gen.request_id, "choices": [
+                    {"text": "", "finish_reason": "abort"}]}) + _sse("[DONE]"))
+                await response.write_eof()
+                return response
             await response.write(_sse({"id": gen.request_id, "choices": [{"text": f"t{i}"}]}))
             gen.events_sent += 1
-            await asyncio.sleep(interval)
+            await _until(gen.abort, interval)
         await response.write(_sse("[DONE]"))
         gen.finished = True
         await asyncio.sleep(_float(request, "hang_after_done", 0.0))

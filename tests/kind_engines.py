@@ -40,6 +40,26 @@ their last token un-aborted.
   ``POST /inference/v1/abort_requests {"request_ids": [...]}`` aborts
   exactly the named live ids, ignores unknown ones, answers 200; without ``--enable-scale-out``
   (``scale_out=False``) the route answers 403 to every call.
+
+  Several API servers (``vllm serve --api-server-count N``: ``api_servers=N``; facts and sources
+  in ``../shared/notes/cancellation-facts.md``, "vLLM with several API-server processes"): N
+  processes share one listening socket and each TCP connection belongs to the one that
+  accepted it, for its whole life. The fake picks it as it accepts the connection (aiohttp's
+  ``Server.connection_made``; kept per transport) by ``accept``: ``"random"`` (uniform, ``random.Random(seed)``),
+  ``"round_robin"`` or ``"idle"`` (process k with probability proportional to
+  ``1 / (1 + running_k) ** 2``, ``running_k`` its works still running: a model of the
+  measured skew, a process busy streaming accepts less often), and records it in
+  ``connections``. A request's ids belong to that process (``Work.process``), and an abort call
+  aborts only ids its own process owns; ids live or pending in another process are answered
+  200 and change nothing (``AbortCall.missed``, ``Work.missed``, ``missed``), as
+  ``AsyncLLM.abort`` drops ids it does not own. Ids pending in the call's own process, or not
+  seen at all, are ``ignored`` as above.
+  ``end_on_abort=True`` ends an aborted response at once, as vLLM does: a stream with a final
+  chunk whose ``finish_reason`` is ``"abort"`` then ``data: [DONE]``, a JSON answer with the
+  tokens made so far and that ``finish_reason`` (the default: the sidecar reads that end as the
+  engine's confirmation, :mod:`sidecar.confirm`). With ``False`` an aborted response waits up to
+  1 s for its connection to close before that end (the older model, for a sidecar that closes
+  the upstream with its abort); the SGLang fake takes ``end_on_abort`` too.
 - :class:`SGLangEngine` (``tests/sglang_facts.md``, SGLang 0.5.23): the id is the body's ``rid``
   (``X-Request-Id`` is ignored; a fresh uuid4 hex if absent); a batch (``/generate`` ``text`` or
   ``input_ids`` a list of lists, ``/v1/completions`` ``prompt`` a list of strings) runs as
@@ -71,8 +91,10 @@ from __future__ import annotations
 
 import asyncio
 import json
+import random
 import time
 import uuid
+import weakref
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any, ClassVar
@@ -83,6 +105,9 @@ from sidecar.readiness import PROBE_PREFIX
 from tests.fake_engine import Watch
 
 LINGER_S = 10.0  # the longest an abortable engine goes on with a request whose connection closed
+ACCEPT_POLICIES = ("random", "round_robin", "idle")  # how a new connection picks its API server
+PROCESS = web.RequestKey("process", int)  # the API-server process that accepted a request's
+#                                           connection (set by KindEngine's first middleware)
 
 
 @dataclass
@@ -100,12 +125,15 @@ class Work:
     engine_ids: tuple[str, ...]
     started: float
     body: Any = None  # the JSON body as the engine received it
+    process: int = 0  # the API-server process that owns its ids (accepted its connection)
     length_s: float | None = None  # registration -> last token, seconds (None: not generated here)
     tokens: int = 0  # its SSE token events in all, ``interval_s`` apart
     interval_s: float = 0.0
     registered: dict[str, float] = field(default_factory=dict)  # engine id -> when it became known
     ignored: dict[str, list[float]] = field(default_factory=dict)  # engine id -> aborts naming it
     #                                                                before it was registered
+    missed: dict[str, list[float]] = field(default_factory=dict)  # engine id -> aborts naming it
+    #                                              that another API-server process received
     aborted: dict[str, float] = field(default_factory=dict)  # engine id -> when aborted
     ran_to_end: dict[str, float] = field(default_factory=dict)  # engine id -> when it reached its
     #                                                   last token un-aborted (client or nobody)
@@ -147,6 +175,18 @@ class ModelsRequest:
 
 
 @dataclass
+class Connection:
+    """One TCP connection as the engine's API servers saw it: the process that accepted it
+    (chosen when it was accepted, kept for its life), when, its first request's path (``""``
+    until one came) and the client's address (``(host, port)``, ``None`` if it was gone)."""
+
+    process: int
+    at: float
+    path: str
+    peer: tuple[str, int] | None
+
+
+@dataclass
 class AbortCall:
     """One call to the engine's abort endpoint: the ids it named and what it was answered."""
 
@@ -155,7 +195,10 @@ class AbortCall:
     authorization: str | None
     status: int
     body: Any = None  # the call's JSON body
+    process: int = 0  # the API-server process that accepted the call's connection
     ignored: list[str] = field(default_factory=list)  # named ids not registered yet: no-ops
+    missed: list[str] = field(default_factory=list)  # named ids live or pending in another
+    #                                                  process: no-ops too
 
 
 class KindEngine:
@@ -167,15 +210,29 @@ class KindEngine:
     aborts: ClassVar[bool] = True  # the engine keeps a closed request running until aborted
 
     def __init__(self, api_key: str | None = None, *, registration_delay_s: float = 0.0,
-                 prefill_only: bool = False) -> None:
+                 prefill_only: bool = False, end_on_abort: bool = True, api_servers: int = 1,
+                 accept: str = "random", seed: int = 0) -> None:
+        if api_servers < 1:
+            raise ValueError(f"api_servers must be >= 1, got {api_servers}")
         self.api_key = api_key  # the abort endpoint answers 401 without this bearer key
         self.prefill_only = prefill_only  # every request ends after one token (a P/D prefill)
+        self.end_on_abort = end_on_abort  # an aborted response ends at once (see _respond)
+        self.api_servers = api_servers  # API-server processes behind the one port
+        self.accept = accept  # how a new connection picks one (ACCEPT_POLICIES; may change)
+        self._rng = random.Random(seed)  # the "random" and "idle" choices
+        self._accepted = 0  # connections accepted so far (the "round_robin" turn)
+        # transport -> its process, for the connection's life (aiohttp's RequestHandler takes
+        # no weak reference, its transport does, on asyncio's loop and on uvloop)
+        # transport -> its index in connections
+        self._processes: weakref.WeakKeyDictionary[Any, int] = weakref.WeakKeyDictionary()
+        self.connections: list[Connection] = []  # every connection, in order of accept
         # whole body -> ids known, seconds, unless a request's ``register_delay`` says otherwise
         self.registration_delay_s = registration_delay_s
         self.heads: list[Head] = []
         self.works: list[Work] = []
         self.pending: dict[str, Work] = {}  # engine id -> its work, until it is registered
         self.ignored: list[tuple[float, str]] = []  # (when, engine id): aborts before registration
+        self.missed: list[tuple[float, str]] = []  # (when, engine id): aborts another process got
         self.abort_delay_s = 0.0  # seconds each abort call takes to be applied and answered
         self._ids_seen: set[str] = set()  # every engine id of every request that arrived
         self._too_early: dict[str, list[float]] = {}  # id -> aborts before its request arrived
@@ -185,7 +242,7 @@ class KindEngine:
         self.model_requests: list[ModelsRequest] = []
         self.live: dict[str, Work] = {}  # engine id -> its work, while it runs
         self.watch = Watch()  # await any condition over works/calls: watch.until(predicate, s)
-        self.app = web.Application(middlewares=[self._unknown])
+        self.app = web.Application(middlewares=[self._assign_process, self._unknown])
         for path in self.generating:
             self.app.router.add_post(path, self.generate)
         self.app.router.add_get("/health", self.health)
@@ -198,6 +255,15 @@ class KindEngine:
 
     async def start(self) -> None:
         await self.runner.setup()
+        server = self.runner.server
+        assert server is not None
+        made = server.connection_made
+
+        def accepted(handler: Any, transport: asyncio.Transport) -> None:
+            self._accept(transport)  # the process is chosen as the connection is accepted
+            made(handler, transport)
+
+        server.connection_made = accepted  # type: ignore[method-assign]
         await web.TCPSite(self.runner, "127.0.0.1", 0).start()
         self.url = f"http://127.0.0.1:{self.runner.addresses[0][1]}"
 
@@ -207,6 +273,84 @@ class KindEngine:
             timer.cancel()
         for task in self._tasks:
             task.cancel()
+
+    @property
+    def accept(self) -> str:
+        """How a new connection picks its API-server process: ``"random"`` (uniform),
+        ``"round_robin"`` (connection ``i`` to process ``i % api_servers``) or ``"idle"``
+        (process ``k`` with probability proportional to ``1 / (1 + running_k) ** 2``,
+        ``running_k`` its works still running: :meth:`running_per_process`)."""
+        return self._accept_policy
+
+    @accept.setter
+    def accept(self, policy: str) -> None:
+        if policy not in ACCEPT_POLICIES:
+            raise ValueError(f"accept must be one of {', '.join(ACCEPT_POLICIES)}, got {policy!r}")
+        self._accept_policy = policy
+
+    def running_per_process(self) -> list[int]:
+        """How many works each API-server process runs now (admitted, not finished or stopped;
+        one with its connection closed that goes on for nobody counts)."""
+        running = [0] * self.api_servers
+        works = {id(w): w for w in (*self.live.values(), *self.pending.values())}
+        for work in works.values():
+            if work.running:
+                running[work.process] += 1
+        return running
+
+    def process_of(self, request: web.Request) -> int:
+        """The API-server process that accepted ``request``'s connection (chosen by ``accept``
+        when the connection was accepted, recorded in ``connections``)."""
+        transport = request.transport
+        index = self._processes.get(transport) if transport is not None else None
+        if index is None:  # accepted before the hook saw it (never, in practice)
+            index = self._accept(transport)
+        connection = self.connections[index]
+        if not connection.path:
+            connection.path = request.path
+        return connection.process
+
+    def _accept(self, transport: Any) -> int:
+        """Choose the process for a newly accepted connection; its index in ``connections``."""
+        process = self._choose()
+        self._accepted += 1
+        peer = transport.get_extra_info("peername") if transport is not None else None
+        index = len(self.connections)
+        if transport is not None:
+            self._processes[transport] = index
+        self.connections.append(Connection(process, time.monotonic(), "",
+                                           (str(peer[0]), int(peer[1])) if peer else None))
+        self.watch.changed()
+        return index
+
+    def _choose(self) -> int:
+        if self.api_servers == 1:
+            return 0
+        if self.accept == "round_robin":
+            return self._accepted % self.api_servers
+        if self.accept == "idle":
+            weights = [1 / (1 + r) ** 2 for r in self.running_per_process()]
+            return self._rng.choices(range(self.api_servers), weights)[0]
+        return self._rng.randrange(self.api_servers)
+
+    def _split_owned(self, ids: list[str], process: int) -> tuple[list[str], list[str]]:
+        """Split the ids an abort call on ``process`` named into (those it may act on: its own
+        and unknown ones, the ids another process holds live or pending). The latter are
+        recorded as missed (``missed``, ``Work.missed``): the call is a no-op for them."""
+        now = time.monotonic()
+        mine: list[str] = []
+        elsewhere: list[str] = []
+        for engine_id in ids:
+            work = self.live.get(engine_id) or self.pending.get(engine_id)
+            if work is None or work.process == process:
+                mine.append(engine_id)
+                continue
+            elsewhere.append(engine_id)
+            work.missed.setdefault(engine_id, []).append(now)
+            self.missed.append((now, engine_id))
+        if elsewhere:
+            self.watch.changed()
+        return mine, elsewhere
 
     # -- what subclasses define ---------------------------------------------------------------
 
@@ -222,14 +366,16 @@ class KindEngine:
 
     def admit(self, path: str, headers: Mapping[str, str], body: dict[str, Any], *,
               delay_s: float | None = None, stagger_s: float = 0.0,
-              length_s: float | None = None) -> Work:
+              length_s: float | None = None, process: int = 0) -> Work:
         """Take a request whose whole body arrived (as :meth:`generate` does, or a router that
         forwards one). Its ids are registered ``delay_s`` seconds later (default
         ``registration_delay_s``; id ``i`` another ``i * stagger_s`` later), at once if both
         are 0. ``length_s``: registration -> last token, for a request that goes on after its
-        connection closed (``None``: until aborted or ``LINGER_S``)."""
+        connection closed (``None``: until aborted or ``LINGER_S``). ``process``: the
+        API-server process that owns its ids."""
         tag, ids = self.derive(path, headers, body)
-        work = Work(path, headers.get("X-Request-Id"), tag, ids, time.monotonic(), body, length_s)
+        work = Work(path, headers.get("X-Request-Id"), tag, ids, time.monotonic(), body,
+                    process=process, length_s=length_s)
         self.works.append(work)
         self._ids_seen.update(ids)
         for i in ids:  # an abort that overtook the request itself was as much a no-op
@@ -336,6 +482,12 @@ class KindEngine:
     # -- HTTP ---------------------------------------------------------------------------------
 
     @web.middleware
+    async def _assign_process(self, request: web.Request, handler: Any) -> web.StreamResponse:
+        request[PROCESS] = self.process_of(request)
+        response: web.StreamResponse = await handler(request)
+        return response
+
+    @web.middleware
     async def _unknown(self, request: web.Request, handler: Any) -> web.StreamResponse:
         try:
             response: web.StreamResponse = await handler(request)
@@ -387,7 +539,8 @@ class KindEngine:
         length = float(query.get("first_byte_delay", 0)) + tokens * interval
         delay = float(query["register_delay"]) if "register_delay" in query else None
         work = self.admit(request.path, request.headers, body, delay_s=delay,
-                          stagger_s=float(query.get("register_stagger", 0)), length_s=length)
+                          stagger_s=float(query.get("register_stagger", 0)), length_s=length,
+                          process=request[PROCESS])
         work.tokens, work.interval_s = tokens, interval
         try:
             await work.known.wait()  # at once unless registration is delayed
@@ -398,6 +551,10 @@ class KindEngine:
 
     async def _respond(self, request: web.Request, body: dict[str, Any],
                        work: Work) -> web.StreamResponse:
+        """The response: JSON after all its tokens, or an SSE stream of them. An aborted one
+        ends with ``finish_reason`` ``"abort"``: at once with ``end_on_abort`` (a JSON answer
+        then holds only the tokens made before the abort), else only after waiting up to 1 s
+        for the connection to close (:meth:`_until_closed`)."""
         tokens = int(request.query.get("tokens", 20))
         cap = body.get("max_tokens")
         if type(cap) is int and cap > 0:
@@ -408,9 +565,13 @@ class KindEngine:
         await _wait(work.stop, float(request.query.get("first_byte_delay", 0)))
         ident = work.tag or work.engine_ids[0]
         if not body.get("stream"):
+            begun = time.monotonic()
             await _wait(work.stop, tokens * interval)
             reason = "abort" if work.stop.is_set() else "stop"
-            if work.stop.is_set():
+            if work.stop.is_set() and self.end_on_abort:  # the tokens made until the abort
+                made = (time.monotonic() - begun) / interval if interval > 0 else tokens
+                tokens = min(tokens, int(made))
+            elif work.stop.is_set():
                 # Aborted before its answer (the sidecar's abort can arrive before its upstream
                 # close): record the connection going away if it does before the answer would.
                 await self._until_closed(request, work)
@@ -429,7 +590,7 @@ class KindEngine:
                 self.watch.changed()
             await _wait(work.stop, interval)
         reason = "abort" if work.stop.is_set() else "stop"
-        if work.stop.is_set():  # as for JSON above: the sidecar's close may follow its abort
+        if work.stop.is_set() and not self.end_on_abort:  # as for JSON above
             await self._until_closed(request, work)
         await response.write(_sse({"id": ident, "choices": [{"index": 0, "text": "",
                                                              "finish_reason": reason}]}))
@@ -455,7 +616,7 @@ class KindEngine:
                      ) -> AbortCall:
         """Record an abort call (a readiness probe apart) and say whether it is authorised."""
         call = AbortCall(time.monotonic(), ids, request.headers.get("Authorization"), status,
-                         body)
+                         body, request[PROCESS])
         if self.api_key is not None and call.authorization != f"Bearer {self.api_key}":
             call.status = 401
         probe = len(ids) == 1 and ids[0].startswith(PROBE_PREFIX)
@@ -473,10 +634,17 @@ class VLLMEngine(KindEngine):
     abort_path = "/inference/v1/abort_requests"
 
     def __init__(self, api_key: str | None = None, *, scale_out: bool = True,
-                 registration_delay_s: float = 0.0, prefill_only: bool = False) -> None:
+                 registration_delay_s: float = 0.0, prefill_only: bool = False,
+                 end_on_abort: bool = True, api_servers: int = 1, accept: str = "random",
+                 seed: int = 0) -> None:
+        """``api_servers``: ``vllm serve --api-server-count``; ``accept``: which process takes a
+        new connection (:attr:`KindEngine.accept`), ``seed`` seeding its random choices;
+        ``end_on_abort``: an aborted response ends at once, as vLLM's does (module docstring).
+        """
         self.scale_out = scale_out  # False: started without --enable-scale-out
         super().__init__(api_key, registration_delay_s=registration_delay_s,
-                         prefill_only=prefill_only)
+                         prefill_only=prefill_only, end_on_abort=end_on_abort,
+                         api_servers=api_servers, accept=accept, seed=seed)
 
     def derive(self, path: str, headers: Mapping[str, str], body: dict[str, Any]
                ) -> tuple[str | None, tuple[str, ...]]:
@@ -507,8 +675,9 @@ class VLLMEngine(KindEngine):
         call = self._record_call(request, body, ids, 200 if self.scale_out else 403)
         if self.abort_delay_s:  # a slow endpoint: recorded on arrival, applied and answered late
             await asyncio.sleep(self.abort_delay_s)
-        if call.status == 200:
-            call.ignored = self.abort_ids(ids)  # in the background in vLLM; unknown ids ignored
+        if call.status == 200:  # AsyncLLM.abort of the call's own process: others' ids dropped
+            mine, call.missed = self._split_owned(ids, call.process)
+            call.ignored = self.abort_ids(mine)  # in the background in vLLM; unknown ids ignored
         return web.Response(status=call.status)
 
 
@@ -518,6 +687,13 @@ class SGLangEngine(KindEngine):
     kind = "sglang"
     generating = ("/generate", "/v1/completions", "/v1/chat/completions", "/v1/responses")
     abort_path = "/abort_request"
+
+    def __init__(self, api_key: str | None = None, *, registration_delay_s: float = 0.0,
+                 prefill_only: bool = False, end_on_abort: bool = True) -> None:
+        """``end_on_abort``: an aborted response ends at once, in the same shape as the vLLM
+        fake's (SGLang's own end of an aborted request is not checked here)."""
+        super().__init__(api_key, registration_delay_s=registration_delay_s,
+                         prefill_only=prefill_only, end_on_abort=end_on_abort)
 
     def derive(self, path: str, headers: Mapping[str, str], body: dict[str, Any]
                ) -> tuple[str | None, tuple[str, ...]]:
@@ -570,10 +746,10 @@ class OpenAIEngine(KindEngine):
 
     def admit(self, path: str, headers: Mapping[str, str], body: dict[str, Any], *,
               delay_s: float | None = None, stagger_s: float = 0.0,
-              length_s: float | None = None) -> Work:
+              length_s: float | None = None, process: int = 0) -> Work:
         behind = [(e, e.admit(path, headers, body)) for e in self.forward_to]
         work = super().admit(path, headers, body, delay_s=delay_s, stagger_s=stagger_s,
-                             length_s=length_s)
+                             length_s=length_s, process=process)
         self.forwarded[id(work)] = behind
         return work
 

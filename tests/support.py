@@ -277,14 +277,16 @@ def disconnect_counts(values: dict[tuple[str, frozenset[tuple[str, str]]], float
 
 
 async def upstream_closed(engine: FakeEngine, stalls: Stalls) -> float:
-    """Wait for the engine to see its generating connection go away; returns when it did."""
-    await stalls.wait(engine.record.closed_event.wait(),
-                      "the upstream (engine) connection to close")
+    """Wait for the engine to stop its last generation before its end: aborted (ended at once,
+    as vLLM ends an aborted request, which the sidecar reads as its confirmation) or its
+    connection gone; returns when it did."""
+    await stalls.wait(engine.record.stopped_event.wait(),
+                      "the engine to stop the generation (aborted, or its connection closed)")
     gen = engine.record.generations[-1]
-    assert gen.closed_at is not None and not gen.finished, (
+    assert gen.stopped_at is not None and not gen.finished, (
         f"expected the generation cut short, got finished={gen.finished} "
-        f"closed_at={gen.closed_at}")
-    return gen.closed_at
+        f"closed_at={gen.closed_at} aborted_at={gen.aborted_at}")
+    return gen.stopped_at
 
 
 async def one_abort(engine: FakeEngine, stalls: Stalls, port: int) -> tuple[list[str], float]:

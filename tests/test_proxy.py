@@ -320,7 +320,7 @@ async def test_response_hop_by_hop_headers_dropped(start_sidecar: StartSidecar) 
                 b"Transfer-Encoding: chunked\r\n\r\n"
                 b"%x\r\n%s\r\n0\r\n\r\n" % (len(body), body))
     async with raw_upstream(lambda _: response) as upstream:
-        servers = await start_sidecar(sidecar_settings(upstream.url))
+        servers = await start_sidecar(sidecar_settings(upstream.url, confirm=False))
         async with asyncio.timeout(GUARD_S):
             resp = await rawhttp.exchange(servers.proxy_port, rawhttp.request_bytes("GET", "/x"))
     names = [k.lower() for k, _ in resp.headers]

@@ -100,7 +100,7 @@ async def test_large_response_header_passes_through(start_sidecar: Any) -> None:
         f"HTTP/1.1 200 OK\r\nX-Trace: {big}\r\nContent-Length: 2\r\n\r\nok").encode())
     await upstream.start()
     try:
-        servers: Servers = await start_sidecar(sidecar_settings(upstream.url))
+        servers: Servers = await start_sidecar(sidecar_settings(upstream.url, confirm=False))
         status, body = await _raw(servers.proxy_port,
                                   b"GET /x HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n")
     finally:

@@ -92,7 +92,8 @@ FAULTS: dict[str, Fault] = {
     "http_500": Fault(1, {"http_500": 1}, "http_500", ABORT_STATUS_HINTS[500]),
     "http_503": Fault(1 + RETRIES, {"http_503": 1 + RETRIES}, "http_503",
                       ABORT_STATUS_HINTS[503]),
-    "http_503_then_ok": Fault(2, {"http_503": 1, "accepted": 1}, "accepted",
+    # The call is accepted, then the engine ends the stream aborted: confirmed.
+    "http_503_then_ok": Fault(2, {"http_503": 1, "accepted": 1}, "confirmed",
                               ABORT_STATUS_HINTS[503]),
     "reset": Fault(1 + RETRIES, {"error": 1 + RETRIES}, "error",
                    "the connection was lost before an answer"),
@@ -248,9 +249,10 @@ async def test_abort_failure_never_delays_close_or_other_traffic(
     requests = engine_samples(values, "cancel_sidecar_aborted_requests_total", FAILING)
     assert requests == {expect.final: 1}, (
         f"aborted_requests_total: expected the final outcome {expect.final} once, got {requests}")
-    latency = sample_count(values, FAILING)
-    assert latency == (1 if expect.final == "accepted" else 0), (
-        f"abort_latency_seconds: expected one observation only for an ok abort, got {latency}")
+    latency = sample_count(values, FAILING, "cancel_sidecar_abort_confirm_seconds_count")
+    assert latency == (1 if expect.final == "confirmed" else 0), (
+        f"abort_confirm_seconds: expected one observation only for a confirmed abort, got "
+        f"{latency}")
     line = access_lines(caplog).get(rid)
     assert line is not None and line["abort"] == expect.final, (
         f"expected the access line of {rid} with abort={expect.final}, got {line}")
@@ -277,9 +279,9 @@ async def test_abort_failure_never_delays_close_or_other_traffic(
     assert_no_key(caplog)
 
 
-def sample_count(values: Values, engine: str) -> float:
-    return values.get(("cancel_sidecar_abort_latency_seconds_count",
-                       frozenset({("engine", engine)})), 0.0)
+def sample_count(values: Values, engine: str,
+                 name: str = "cancel_sidecar_abort_latency_seconds_count") -> float:
+    return values.get((name, frozenset({("engine", engine)})), 0.0)
 
 
 # -- nothing queues without bound ---------------------------------------------------------------
@@ -317,7 +319,9 @@ async def test_hanging_abort_endpoint_queues_at_most_max_queued_ids_then_drains(
     engine.record.abort_gate = gate = asyncio.Event()  # every abort call hangs until set
     engines = {FAILING: {"kind": "vllm", "url": engine.url,
                          "abort": {"api_key": API_KEY, "timeout_s": 60.0,
-                                   "resend_window_s": 0}}}
+                                   "resend_window_s": 0,
+                                   # one call per id: confirmation (its re-sends) off
+                                   "confirm_timeout_s": 0}}}
     servers: Servers = await start_sidecar(sidecar_settings(
         engine.url, engines=engines, routes=[{"prefix": "/", "engine": FAILING}]))
     port, admin = servers.proxy_port, servers.admin_port or 0
@@ -399,7 +403,9 @@ async def test_one_huge_request_never_crowds_out_small_ones(
     engine.record.abort_gate = gate = asyncio.Event()
     engines = {FAILING: {"kind": "vllm", "url": engine.url,
                          "abort": {"api_key": API_KEY, "timeout_s": 60.0,
-                                   "resend_window_s": 0}}}
+                                   "resend_window_s": 0,
+                                   # one call per id: confirmation (its re-sends) off
+                                   "confirm_timeout_s": 0}}}
     servers: Servers = await start_sidecar(sidecar_settings(
         engine.url, engines=engines, routes=[{"prefix": "/", "engine": FAILING}]))
     port, admin = servers.proxy_port, servers.admin_port or 0
@@ -450,7 +456,9 @@ async def test_aborts_pending_at_stop_end_cancelled(
     engine.record.abort_gate = asyncio.Event()  # never set: the endpoint hangs
     engines = {"local": {"kind": "vllm", "url": engine.url,
                          "abort": {"api_key": API_KEY, "timeout_s": 60.0,
-                                   "resend_window_s": 0}}}
+                                   "resend_window_s": 0,
+                                   # one call per id: confirmation (its re-sends) off
+                                   "confirm_timeout_s": 0}}}
     registry = CollectorRegistry()
     servers: Servers = await start_sidecar(sidecar_settings(engine.url, engines=engines),
                                            registry)
@@ -491,7 +499,7 @@ async def test_a_call_keeps_its_slot_while_it_backs_off(
     slot a retried call gave up), never during the backoff."""
     engine.record.abort_gate = gate = asyncio.Event()
     engine.record.abort_script = [503] * MAX_CALLS_PER_ENGINE  # then 200: the retries succeed
-    servers: Servers = await start_sidecar(sidecar_settings(engine.url))
+    servers: Servers = await start_sidecar(sidecar_settings(engine.url, confirm=False))
     admin = servers.admin_port or 0
     streams = [await open_completions(servers.proxy_port, stalls, 1)
                for _ in range(MAX_CALLS_PER_ENGINE + 1)]

@@ -241,7 +241,7 @@ async def test_odd_bodies_reach_the_engine_byte_identical(
     upstream = RawUpstream(lambda _request: OK)
     await upstream.start()
     try:
-        servers: Servers = await start_sidecar(sidecar_settings(upstream.url))
+        servers: Servers = await start_sidecar(sidecar_settings(upstream.url, confirm=False))
         for path in PATHS:
             for framing in ("length", "chunked"):
                 headers = [("Content-Type", "application/json"), ("Connection", "close")]
@@ -273,7 +273,7 @@ async def test_gzip_request_body_is_relayed_compressed(start_sidecar: Callable[.
     upstream = RawUpstream(lambda _request: OK)
     await upstream.start()
     try:
-        servers: Servers = await start_sidecar(sidecar_settings(upstream.url))
+        servers: Servers = await start_sidecar(sidecar_settings(upstream.url, confirm=False))
         async with asyncio.timeout(GUARD_S):
             response = await rawhttp.exchange(servers.proxy_port, rawhttp.request_bytes(
                 "POST", "/v1/chat/completions",
@@ -324,7 +324,7 @@ async def test_disconnect_with_an_odd_body_aborts_exactly_the_default_ids(
     upstream = RawUpstream(lambda request: OK if b"abort_requests" in request.head[:80] else None)
     await upstream.start()
     try:
-        servers: Servers = await start_sidecar(sidecar_settings(upstream.url))
+        servers: Servers = await start_sidecar(sidecar_settings(upstream.url, confirm=False))
         async with rawhttp.connect(servers.proxy_port) as (_reader, writer):
             writer.write(rawhttp.request_bytes("POST", path, [
                 ("Content-Length", str(len(body)))], body))

@@ -324,7 +324,7 @@ MALFORMED = {
 async def test_malformed_upstream_response_is_a_502(name: str,
                                                     start_sidecar: StartSidecar) -> None:
     async with raw_upstream(lambda _: MALFORMED[name], close_after_response=True) as upstream:
-        servers = await start_sidecar(sidecar_settings(upstream.url))
+        servers = await start_sidecar(sidecar_settings(upstream.url, confirm=False))
         async with asyncio.timeout(GUARD_S):
             resp = await rawhttp.exchange(servers.proxy_port, rawhttp.request_bytes("GET", "/x"))
     assert_openai_error(resp.status, resp.body, 502, "upstream_protocol_error")
@@ -451,7 +451,7 @@ CUT_SHORT = (b"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\nContent-Leng
 async def test_content_length_response_cut_short_is_a_payload_error_for_aiohttp(
         start_sidecar: StartSidecar) -> None:
     async with raw_upstream(engine_like(CUT_SHORT), close_after_response=True) as upstream:
-        servers = await start_sidecar(sidecar_settings(upstream.url))
+        servers = await start_sidecar(sidecar_settings(upstream.url, confirm=False))
         async with asyncio.timeout(GUARD_S), aiohttp.ClientSession() as session:
             async with session.post(proxy_url(servers, CHAT), json={"messages": []}) as resp:
                 assert resp.status == 200, f"expected the response to start, got {resp.status}"
@@ -463,7 +463,7 @@ async def test_content_length_response_cut_short_is_a_payload_error_for_aiohttp(
 async def test_content_length_response_cut_short_gives_a_raw_client_fewer_bytes(
         start_sidecar: StartSidecar) -> None:
     async with raw_upstream(engine_like(CUT_SHORT), close_after_response=True) as upstream:
-        servers = await start_sidecar(sidecar_settings(upstream.url))
+        servers = await start_sidecar(sidecar_settings(upstream.url, confirm=False))
         async with asyncio.timeout(GUARD_S):
             resp = await rawhttp.exchange(servers.proxy_port, post_json(CHAT, {"messages": []}))
     assert resp.status == 200 and resp.get("Content-Length") == "100", (

@@ -1,0 +1,132 @@
+"""Confirmation: the engine says, on the request's own upstream connection, that the work stopped.
+
+An abort call answered 200 is not work stopped. vLLM ignores ids it does not know yet (the
+registration window: :mod:`sidecar.abort`) and, run with several API-server processes
+(``vllm serve --api-server-count N``), ids another process owns: each process keeps its own map
+of request ids (``vllm/v1/engine/output_processor.py``, ``external_req_ids``) and the abort
+endpoint only looks in the map of the process that accepted the call's connection, answering 200
+either way (``../shared/notes/cancellation-facts.md``). SGLang drops a rid that is not live yet.
+
+What the engine still sends on the request's connection tells the truth. An aborted vLLM stream
+ends at once with a chunk whose ``finish_reason`` is ``"abort"``, then ``data: [DONE]``; an
+aborted JSON request answers early with its partial output and ``"finish_reason": "abort"``
+(``vllm/v1/engine/__init__.py``: ``FinishReason.ABORT``; measured 2 ms after the call that hit
+its owner). SGLang ends an aborted request with ``finish_reason`` ``{"type": "abort", ...}`` on
+its native routes and ``"abort"`` on the OpenAI ones (:data:`ABORT_MARK` has every shape). A
+call that missed changes nothing there.
+
+So once a client leaves, the proxy keeps the upstream connection open and hands the response to
+a :class:`Confirmation` (:meth:`sidecar.relay.UpstreamResponse.watch`), which reads what the
+engine still sends, forwards nothing, and gives one verdict:
+
+- ``confirmed``: the response ended carrying the abort mark (:data:`ABORT_MARK`): the engine
+  stopped the work because it was aborted;
+- ``finished``: it ended without the mark (the engine finished on its own first, or answered an
+  error, or closed the connection): the work is over all the same;
+- ``unconfirmed``: nothing ended by the bound (``engines.*.abort.confirm_timeout_s`` after the
+  disconnect, or the registration window's end if later); the connection is then closed (an
+  engine whose own disconnect detection works stops on that).
+
+The abort's re-sends (:mod:`sidecar.abort`) go on until the verdict. The mark is searched only in
+bytes that arrive after the disconnect, over piece boundaries; text a model generates cannot
+forge it, since JSON escapes its quotes (``\\"finish_reason\\"``).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import re
+import time
+from collections.abc import Callable
+
+from sidecar.relay import UpstreamResponse
+
+CONFIRMED = "confirmed"
+FINISHED = "finished"
+UNCONFIRMED = "unconfirmed"
+
+# vLLM (every OpenAI route, stream or JSON): "finish_reason":"abort". SGLang 0.5.23
+# (srt/managers/schedule_batch.py FINISH_ABORT, tokenizer_manager.py _handle_abort_req; read by
+# the team in its wheels): its OpenAI chat and completions routes the same; native /generate
+# "finish_reason":{"type":"abort","message":"Aborted",...}; /v1/responses (0.5.20+) a failed
+# response whose error message is "Aborted"; an abort caught in the grammar queue an error
+# "Aborted by AbortReq.". A JSON encoder may put spaces after the colons.
+ABORT_MARK = re.compile(rb'"finish_reason"\s*:\s*(?:"abort"|\{\s*"type"\s*:\s*"abort")'
+                        rb'|"message"\s*:\s*"Abort(?:ed|ed by AbortReq\.| in waiting queue'
+                        rb'| before prefill)"')
+_TAIL = 64  # bytes of the previous pieces kept, so a mark split over two pieces is found
+
+
+class Confirmation:
+    """Watches one request's upstream response after its abort was queued, until a verdict.
+
+    Made by the proxy, armed by the aborter (:meth:`arm`: the bound and who hears the verdict),
+    then handed the response (:meth:`~sidecar.relay.UpstreamResponse.watch`). ``verdict`` is
+    ``None`` until then one of :data:`CONFIRMED`, :data:`FINISHED`, :data:`UNCONFIRMED`;
+    ``decided_at`` its ``time.monotonic()``. :meth:`close` gives up without a verdict (the abort
+    was refused, or the sidecar stops): the connection is closed at once.
+    """
+
+    __slots__ = ("_on_verdict", "_tail", "_timer", "aborted", "decided_at", "paused",
+                 "response", "verdict")
+
+    def __init__(self, response: UpstreamResponse) -> None:
+        self.response = response
+        self.verdict: str | None = None
+        self.decided_at: float | None = None
+        self.aborted = False  # the abort mark was seen
+        self.paused = False  # sidecar.relay.Watcher: nobody slow behind it
+        self._tail = b""
+        self._timer: asyncio.TimerHandle | None = None
+        self._on_verdict: Callable[[str], None] | None = None
+
+    def arm(self, until: float, on_verdict: Callable[[str], None]) -> None:
+        """Give up at ``until`` (``time.monotonic()``) as :data:`UNCONFIRMED`; ``on_verdict`` is
+        called once with the verdict (not after :meth:`close`)."""
+        self._on_verdict = on_verdict
+        self._timer = asyncio.get_running_loop().call_later(
+            max(0.0, until - time.monotonic()), self._bound)
+
+    @property
+    def open(self) -> bool:
+        """True while no verdict was given and the watch was not closed."""
+        return self.verdict is None and self._on_verdict is not None
+
+    # sidecar.relay.Watcher
+    def write(self, piece: bytes) -> None:
+        if self.aborted:
+            return
+        window = self._tail + piece
+        if ABORT_MARK.search(window) is not None:
+            self.aborted = True
+        else:
+            self._tail = window[-_TAIL:]
+
+    def ended(self) -> None:
+        if self.open:
+            self._decide(CONFIRMED if self.aborted else FINISHED)
+
+    def close(self) -> None:
+        """Stop watching without a verdict and close the upstream connection now."""
+        self._on_verdict = None
+        self._stop_timer()
+        self.response.close()
+
+    def _bound(self) -> None:
+        self._timer = None
+        if self.open:
+            self._decide(UNCONFIRMED)
+            self.response.close()
+
+    def _decide(self, verdict: str) -> None:
+        self.verdict = verdict
+        self.decided_at = time.monotonic()
+        self._stop_timer()
+        on_verdict, self._on_verdict = self._on_verdict, None
+        if on_verdict is not None:
+            on_verdict(verdict)
+
+    def _stop_timer(self) -> None:
+        if self._timer is not None:
+            self._timer.cancel()
+            self._timer = None
