@@ -115,15 +115,19 @@ async def _wait_line(proc: Proc, pattern: str) -> re.Match[str]:
                        f"{proc.log_tail()}")
 
 
-async def start_engine(log_dir: Path) -> Proc:
-    proc = await _spawn("engine", [sys.executable, "-m", "bench.engine"], log_dir)
+async def start_engine(log_dir: Path, api_servers: int = 1, name: str = "engine") -> Proc:
+    """``python -m bench.engine --api-servers N`` (:mod:`bench.engine`)."""
+    proc = await _spawn(name, [sys.executable, "-m", "bench.engine", "--api-servers",
+                               str(api_servers)], log_dir)
     proc.port = int((await _wait_line(proc, r"bench-engine: 127\.0\.0\.1:(\d+)"))[1])
     return proc
 
 
-async def start_sidecar(log_dir: Path, engine_port: int, workers: int) -> Proc:
-    """``python -m sidecar --config FILE --workers N`` in front of the engine, WARNING logs."""
-    name = f"sidecar-w{workers}"
+async def start_sidecar(log_dir: Path, engine_port: int, workers: int,
+                        name: str | None = None) -> Proc:
+    """``python -m sidecar --config FILE --workers N`` in front of the engine, WARNING logs;
+    the process is named ``name`` (default ``sidecar-wN``) in the run's logs."""
+    name = name or f"sidecar-w{workers}"
     config = log_dir / f"{name}.yaml"
     config.write_text(yaml.safe_dump({
         "listen": {"host": "127.0.0.1", "port": 0},

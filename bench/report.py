@@ -52,7 +52,8 @@ def machine(args: argparse.Namespace, command: str, started: float, nofile: int
         "sweep_streams": args.sweep_streams, "sweep_rates": args.sweep_rates,
         "sweep_s": args.sweep_s, "cpu_rate": args.cpu_rate, "idle": args.idle,
         "storm": args.storm, "close": args.close, "storm_interval_ms": args.storm_interval_ms,
-        "storm_reps": args.storm_reps,
+        "storm_reps": args.storm_reps, "storm_api_servers": args.storm_api_servers,
+        "phases": args.phases,
     }
 
 
@@ -134,30 +135,85 @@ def idle_table(idle: dict[str, Any]) -> list[str]:
     return rows
 
 
+def _trio(s: dict[str, Any], key: str, digits: int = 2) -> str:
+    """p50 / p99 / max (n) of a pooled storm figure, then each storm's p99."""
+    d = s.get(key) or {}
+    if not d.get("n"):
+        return "none"
+    each = ", ".join("-" if v is None else f"{v:.{digits}f}"
+                     for v in s.get(f"{key}_p99_per_storm", []))
+    return (f"{d['p50']:.{digits}f} / {d['p99']:.{digits}f} / {d['max']:.{digits}f} ({d['n']})"
+            + (f"; {each}" if each else ""))
+
+
+def _calls(s: dict[str, Any]) -> str:
+    d = s.get("calls_per_request") or {}
+    if not d.get("n"):
+        return "-"
+    return f"{d['p50']:g} / {d['p99']:g} / {d['max']:g}"
+
+
+def _stopped_by(s: dict[str, Any]) -> str:
+    """Closed streams stopped by an abort / by their upstream connection's close / not."""
+    if "stopped_ms" not in s:
+        return "n/a"
+    return f"{s['abort_stopped']} / {s['closed'] - s['abort_stopped'] - s['unstopped']} / " \
+           f"{s['unstopped']}"
+
+
+def _api_path(s: dict[str, Any]) -> bool:
+    """A storm through the engine that simulates several API-server processes."""
+    return bool(s.get("api_servers", 1) > 1)
+
+
 def storm_table(storm: dict[str, Any]) -> list[str]:
     rows = ["| ms/token | path | storms | streams open / closed at once, per storm | closes "
             "spread over, ms | client close -> abort call at engine p50 / p99 / max, ms (n), and "
             "each storm's p99 | client close -> upstream close at engine p50 / p99 / max, ms (n), "
-            "and each storm's p99 | abort calls | CPU s proxy, per storm |",
-            "|---|---|---|---|---|---|---|---|---|"]
-
-    def trio(s: dict[str, Any], key: str) -> str:
-        d = s[key]
-        if not d.get("n"):
-            return "none"
-        each = ", ".join("-" if v is None else f"{v:.2f}"
-                         for v in s.get(f"{key}_p99_per_storm", []))
-        return (f"{d['p50']:.2f} / {d['p99']:.2f} / {d['max']:.2f} ({d['n']})"
-                + (f"; {each}" if each else ""))
-
+            "and each storm's p99 | abort calls | CPU s proxy, per storm | client close -> "
+            "engine stopped p50 / p99 / max, ms (n), and each storm's p99 | stopped by abort / "
+            "by upstream close / not stopped | abort calls naming a closed stream p50 / p99 / "
+            "max |",
+            "|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for interval, per in storm.items():
         for path, s in per.items():
+            if _api_path(s):
+                continue  # in api_servers_table
             ours = path.startswith(("sidecar", "floor-"))  # the paths that abort
             runs = s.get("storms", 1)
-            abort = trio(s, "abort_ms") if ours else "no abort (not its job)"
+            abort = _trio(s, "abort_ms") if ours else "no abort (not its job)"
             rows.append(f"| {interval} | {path} | {runs} | {s['open'] // runs} / "
                         f"{s['closed'] // runs} | {s['close_spread_ms']:.2f} | {abort} | "
-                        f"{trio(s, 'upstream_close_ms')} | {s['abort_calls'] if ours else '-'} | "
+                        f"{_trio(s, 'upstream_close_ms')} | {s['abort_calls'] if ours else '-'} | "
+                        f"{_f(s['cpu_s'].get('proxy'))} | {_trio(s, 'stopped_ms')} | "
+                        f"{_stopped_by(s)} | {_calls(s) if ours else '-'} |")
+    return rows
+
+
+def api_servers_table(storm: dict[str, Any]) -> list[str]:
+    """The storm through the sidecar in front of several simulated API-server processes, beside
+    the same storm on one process: the sidecar's, nginx's and the floors'."""
+    if not any(_api_path(s) for per in storm.values() for s in per.values()):
+        return ["Not run in this run (no sidecar path, or `--storm-api-servers 1`)."]
+    rows = ["| ms/token | path | API-server processes | client close -> engine stopped p50 / p99 / "
+            "max, ms (n), and each storm's p99 | stopped by abort / by upstream close / not "
+            "stopped | client close -> the abort call that stopped it p50 / p99 / max, ms (n) | "
+            "abort calls naming a closed stream p50 / p99 / max | ids named on their owner / "
+            "on another process (all abort calls) | abort calls taken by each API-server "
+            "process | CPU s proxy, per storm |",
+            "|---|---|---|---|---|---|---|---|---|---|"]
+    order = ("sidecar", "nginx", "floor-raw", "floor-aiohttp")
+    for interval, per in storm.items():
+        paths = [p for p in per if _api_path(per[p])] + [p for p in order if p in per]
+        for path in paths:
+            s = per[path]
+            ours = path.startswith(("sidecar", "floor-"))
+            rows.append(f"| {interval} | {path} | {s.get('api_servers', 1)} | "
+                        f"{_trio(s, 'stopped_ms')} | {_stopped_by(s)} | "
+                        f"{_trio(s, 'hit_ms') if ours else 'no abort (not its job)'} | "
+                        f"{_calls(s) if ours else '-'} | "
+                        f"{s.get('abort_hits', 0)} / {s.get('abort_misses', 0)} | "
+                        f"{' / '.join(map(str, s.get('calls_by_process', []))) or '-'} | "
                         f"{_f(s['cpu_s'].get('proxy'))} |")
     return rows
 
@@ -201,13 +257,22 @@ def targets(results: dict[str, Any]) -> list[tuple[str, str, bool | None]]:
         idle[-1]["per_stream_bytes"] / 1024 if idle else None, 32.0, "KiB")
     for interval, per in (phases.get("storm") or {}).items():
         nginx = _get(per, "nginx", "upstream_close_ms", "p99")
-        for path in (p for p in per if p.startswith("sidecar")):
+        for path in (p for p in per if p.startswith("sidecar") and not _api_path(per[p])):
             p99 = _get(per, path, "abort_ms", "p99")
             add(f"abort call p99 <= 10 ms after client close (storm, {interval} ms/token, "
                 f"{path})", p99, 10.0, "ms")
             if nginx is not None:
                 add(f"abort call p99 <= nginx's upstream close p99 {nginx:.2f} ms (storm, "
                     f"{interval} ms/token, {path})", p99, nginx, "ms")
+        for path in (p for p in per if p.startswith("sidecar") and "unstopped" in per[p]):
+            s = per[path]
+            what = (f"{s['api_servers']} API-server processes" if _api_path(s)
+                    else "1 API-server process")
+            out.append((f"every closed stream stopped by the engine (storm, {interval} ms/token, "
+                        f"{path}, {what})",
+                        f"{s['unstopped']} of {s['closed']} not stopped, "
+                        f"{s['closed'] - s['abort_stopped'] - s['unstopped']} by the upstream "
+                        "close (unconfirmed)", s["unstopped"] == 0))
     out.extend(relay_targets(results))
     vllm = results.get("vllm", {})
     if vllm.get("measured") and vllm.get("sidecar"):
@@ -439,10 +504,43 @@ def render(results: dict[str, Any]) -> str:
         "closes the socket. Per closed stream, from the client's close to the engine "
         "reading the head of the abort call that names its engine id "
         "(`chatcmpl-{X-Request-Id}`), and to the engine seeing that stream's upstream "
-        "connection close. Both clocks are `CLOCK_MONOTONIC` of one host"
+        "connection close (while the stream ran, or after an abort ended it), and to the engine "
+        "stopping the stream: the "
+        "fake engine, as vLLM, ends a stream at once when an abort call reaches it (a last "
+        "chunk with `\"finish_reason\":\"abort\"`, then `data: [DONE]`), so stopped is the "
+        "earlier of that abort and the upstream close. The sidecar confirms an abort (it keeps "
+        "the upstream connection open and reads that last chunk, re-sending the abort until "
+        "then, for at most `confirm_timeout_s`, 2 s, before it closes the connection), so its "
+        "upstream close column counts the streams it could not confirm and the connections it "
+        "closed after a confirmed end instead of pooling them. Abort calls "
+        "naming a closed stream: every call whose body names its engine id, the re-sends "
+        "too. Both clocks are `CLOCK_MONOTONIC` of one host"
         + (" (checked at start)." if _get(results, "clock", "shared_monotonic_clock") else "."),
         "",
         *storm_table(phases.get("storm", {})),
+        "",
+        "## Disconnect storm on several API-server processes",
+        "",
+        f"The same storms through a second sidecar (same config) in front of a second fake "
+        f"engine that simulates {meta.get('storm_api_servers', 4)} vLLM API-server processes "
+        "behind one port (`vllm serve --api-server-count N`): each connection belongs to the "
+        "process that accepted it, chosen at accept with probability proportional to "
+        "1 / (1 + its running streams)^2 (a process busy streaming accepts less often; seeded), "
+        "and an abort call stops only the streams of its own connection's process; it answers "
+        "200 for the others and changes nothing (a miss). Beside it, the storms on the "
+        "one-process engine: the sidecar's, and nginx's and the floors' as the comparison "
+        "(nginx only closes the upstream connection; a floor aborts once and closes it: "
+        "neither depends on which process owns the stream, since a closed connection stops "
+        "its stream in any process). Stopped by abort: an abort call reached the stream's "
+        "process (for the sidecar, what it confirms); by upstream close: for the sidecar, a "
+        "stream it did not confirm within its bound; not stopped: still running at the engine "
+        "when the records were read, 2.7 s after the closes (the sidecar's 2 s bound had "
+        "passed), or earlier once every closed stream had stopped. The abort "
+        "calls each process took show whether the sidecar's abort connections reach every "
+        "process: a stream whose process none of them reaches can be stopped only by closing "
+        "its upstream connection.",
+        "",
+        *api_servers_table(phases.get("storm", {})),
         "",
         "## Real vLLM: tokens generated after a disconnect",
         "",

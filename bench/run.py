@@ -17,14 +17,19 @@ seconds of the engine, the client and the proxy (psutil).
    lowest rate, or under 90% of the offered events delivered); CPU per 100,000 events at
    ``--cpu-rate``;
 4. storm: ``--storm`` streams, half of them closed at once: client close -> abort call at the
-   engine, and client close -> upstream connection closed at the engine;
+   engine, client close -> upstream connection closed at the engine, and client close -> the
+   engine stopped the stream (an abort that reached its owner, or its connection closed), with
+   the abort calls that named it; then the same storm through a second sidecar in front of a
+   second engine that simulates ``--storm-api-servers`` (4) vLLM API-server processes, where an
+   abort reaches a stream only from its owner's process (:mod:`bench.engine`);
 5. profile: py-spy on the sidecar under up to 256 streams (:mod:`bench.profile`; not in
    ``--quick``, not with ``--no-profile``), in a phase of its own;
 6. the real vLLM figure from ``bench/vllm_waste.py`` (not in ``--quick``, not with
    ``--no-vllm``).
 
-Then :mod:`bench.report` writes ``benchmarks.md``, ``benchmarks.png`` and ``benchmarks.json``
-to ``docs/`` (full run) or to ``--out`` (``--quick`` never writes ``docs/``: default a temp dir).
+``--phases`` runs only some of them (e.g. ``--phases storm``). Then :mod:`bench.report` writes
+``benchmarks.md``, ``benchmarks.png`` and ``benchmarks.json`` to ``docs/`` (a full run of every
+phase) or to ``--out`` (``--quick`` and ``--phases`` never write ``docs/``: default a temp dir).
 """
 
 from __future__ import annotations
@@ -59,10 +64,21 @@ from bench.procs import (
 )
 
 FD_WANT = 65536
+PHASES = ("idle", "streams", "sweep", "storm", "profile", "vllm")
+STOP_WAIT_S = 1.0  # after a storm, longest wait for the engine to stop every closed stream
 
 
 def _ints(text: str) -> list[int]:
     return [int(x) for x in text.split(",") if x]
+
+
+def _phases(text: str) -> list[str]:
+    names = [x for x in text.split(",") if x]
+    unknown = [x for x in names if x not in PHASES]
+    if unknown or not names:
+        raise argparse.ArgumentTypeError(f"unknown phase(s) {', '.join(unknown) or '(none)'}; "
+                                         f"choose from {', '.join(PHASES)}")
+    return [x for x in PHASES if x in names]
 
 
 def parser() -> argparse.ArgumentParser:
@@ -104,11 +120,17 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--storm-reps", type=int, default=None,
                    help="storms per path and token interval, interleaved; their closes are "
                         "pooled (default 3; 1 with --quick)")
+    p.add_argument("--storm-api-servers", type=int, default=4,
+                   help="the storm again through a sidecar in front of an engine simulating "
+                        "this many vLLM API-server processes (default %(default)s; 1: not run)")
     p.add_argument("--close", choices=["rst", "fin"], default="rst",
                    help="how storm clients close: RST (SO_LINGER 0) or FIN (default rst)")
     p.add_argument("--paths", default="direct,sidecar,nginx,floor-raw,floor-aiohttp",
                    help="paths to measure (default %(default)s); floor-raw and floor-aiohttp "
                         "are bench.floor's least-work proxies (streams, sweep and storm)")
+    p.add_argument("--phases", type=_phases, default=list(PHASES),
+                   help=f"phases to run, in their order (default {','.join(PHASES)}); a "
+                        "partial run writes to --out or a temp dir, never to docs/")
     p.add_argument("--no-vllm", action="store_true", help="skip the real-vLLM figure")
     p.add_argument("--no-profile", action="store_true",
                    help="skip the py-spy profile of the sidecar (skipped in --quick)")
@@ -133,6 +155,10 @@ def defaults(args: argparse.Namespace) -> None:
         args.tokens = min(args.tokens, 25)
         args.no_vllm = True
         args.no_profile = True
+    if "vllm" not in args.phases:
+        args.no_vllm = True
+    if "profile" not in args.phases:
+        args.no_profile = True
 
 
 class Bench:
@@ -145,6 +171,9 @@ class Bench:
         self.engine: Proc | None = None
         self.client: LoadClient | None = None
         self.paths: dict[str, Proc | None] = {}  # name -> proxy process (None: direct)
+        # The storm's paths to an engine of their own (name -> its proxy and its engine): the
+        # sidecar in front of several simulated API-server processes.
+        self.api_paths: dict[str, tuple[Proc, Proc]] = {}
         self.results: dict[str, Any] = {"phases": {}}
 
     # -- processes --------------------------------------------------------------------------
@@ -193,16 +222,36 @@ class Bench:
         return {"shared_monotonic_clock": ok, "window_ms": (after - before) / 1e6}
 
     def port(self, path: str) -> int:
-        proc = self.paths[path]
+        proc = self.api_paths[path][0] if path in self.api_paths else self.paths[path]
         assert self.engine is not None
         return self.engine.port if proc is None else proc.port
+
+    def engine_of(self, path: str) -> Proc:
+        """The engine behind ``path``."""
+        assert self.engine is not None
+        return self.api_paths[path][1] if path in self.api_paths else self.engine
+
+    async def start_api_paths(self) -> None:
+        """For the storm: a second engine simulating ``--storm-api-servers`` API-server
+        processes and a sidecar (first ``--workers`` value) in front of it, warmed up."""
+        assert self.client is not None
+        n = self.args.storm_api_servers
+        if n <= 1 or "sidecar" not in self.paths or self.api_paths:
+            return
+        engine = await start_engine(self.log_dir, n, name=f"engine-api{n}")
+        self.procs.append(engine)
+        proxy = await start_sidecar(self.log_dir, engine.port, self.args.workers[0],
+                                    name=f"sidecar-api{n}")
+        self.procs.append(proxy)
+        self.api_paths[proxy.name] = (proxy, engine)
+        await self.streams(proxy.name, 8, 10, 5000)
 
     async def measured(self, path: str, work: Callable[[], Awaitable[dict[str, Any]]]
                        ) -> dict[str, Any]:
         """Run ``work`` and add the CPU seconds each process used meanwhile."""
-        assert self.engine is not None and self.client is not None
-        proxy = self.paths[path]
-        watched = {"engine": self.engine, "client": self.client.proc}
+        assert self.client is not None
+        proxy = self.api_paths[path][0] if path in self.api_paths else self.paths[path]
+        watched = {"engine": self.engine_of(path), "client": self.client.proc}
         if proxy is not None:
             watched["proxy"] = proxy
         before = {k: p.cpu_s() for k, p in watched.items()}
@@ -212,9 +261,22 @@ class Bench:
         result["phase_s"] = round(time.monotonic() - started, 3)
         return result
 
-    async def reset_engine(self) -> None:
-        assert self.engine is not None
-        await http_get(self.engine.port, "/bench/reset", "POST")
+    async def reset_engine(self, path: str = "direct") -> None:
+        await http_get(self.engine_of(path).port, "/bench/reset", "POST")
+
+    async def storm_records(self, path: str, result: dict[str, Any]) -> dict[str, Any]:
+        """The engine's records after a storm through ``path``, once it stopped every closed
+        stream or :data:`STOP_WAIT_S` later (a sidecar closes an unconfirmed stream's upstream
+        connection at its confirmation bound, 2 s after the disconnect)."""
+        deadline = time.monotonic() + STOP_WAIT_S
+        port = self.engine_of(path).port
+        while True:
+            _, records = await http_get(port, "/bench/records")
+            assert isinstance(records, dict)
+            figures = storm_figures(result, records)
+            if not figures["unstopped"] or time.monotonic() > deadline:
+                return figures
+            await asyncio.sleep(0.1)
 
     # -- phases -----------------------------------------------------------------------------
 
@@ -338,20 +400,21 @@ class Bench:
         behind a backlog) and at a rate every path holds. One storm's p99 is nearly its 5th
         slowest close and moves 2x between storms on this shared box: the figures pool every
         storm's closes (:func:`pool_storms`), and each storm's p99 is kept."""
-        assert self.client is not None and self.engine is not None
+        assert self.client is not None
+        await self.start_api_paths()
         n = self.args.storm
+        paths = self.storm_paths + list(self.api_paths)
         out: dict[str, Any] = {}
         for interval_ms in self.args.storm_interval_ms:
-            storms: dict[str, list[dict[str, Any]]] = {p: [] for p in self.storm_paths}
+            storms: dict[str, list[dict[str, Any]]] = {p: [] for p in paths}
             for rep in range(self.args.storm_reps):
-                for path in self.storm_paths:
-                    await self.reset_engine()
+                for path in paths:
+                    await self.reset_engine(path)
                     r = await self.measured(path, functools.partial(
                         self.client.call, "storm", port=self.port(path), n=n, close=n // 2,
                         interval_us=round(interval_ms * 1000), how=self.args.close,
                         settle_s=1.5))
-                    _, records = await http_get(self.engine.port, "/bench/records")
-                    storms[path].append(storm_figures(r, records))
+                    storms[path].append(await self.storm_records(path, r))
                     log(f"storm    {path:<10} {interval_ms} ms/token #{rep + 1} "
                         f"{storms[path][-1]['summary']}")
             out[f"{interval_ms:g}"] = {path: pool_storms(figures)
@@ -418,32 +481,65 @@ def held(level: dict[str, Any], first: dict[str, Any]) -> bool:
 
 
 def storm_figures(result: dict[str, Any], records: dict[str, Any]) -> dict[str, Any]:
-    """Per closed stream: client close -> first abort call naming its engine id, and client
-    close -> its upstream connection closed, both at the engine; ms."""
+    """Per closed stream, at the engine, ms after the client's close: the first abort call
+    naming its engine id (``abort_ms``); its upstream connection closed, while it ran or after
+    an abort ended it (``upstream_close_ms``); the abort call that ended it (``hit_ms``: one
+    that reached its API-server process); the engine stopped it: that call, or the close if it
+    ran then (``stopped_ms``); and the abort calls that named it (``calls_per_request``,
+    proxies that tag requests only). ``unstopped``: closed streams the engine had not stopped
+    when the records were read."""
     closed: dict[str, int] = result["closed"]
-    ids = records["request_ids"]  # tag -> X-Request-Id (only behind the sidecar)
+    ids = records["request_ids"]  # tag -> X-Request-Id (only behind an id-tagging proxy)
     first_abort: dict[str, int] = {}
+    naming: dict[str, int] = {}
     for at, request_ids in records["aborts"]:
         for rid in request_ids:
             first_abort.setdefault(rid, at)
+            naming[rid] = naming.get(rid, 0) + 1
     upstream_close = {tag: at for tag, at in records["closes"]}
-    abort_ms, close_ms = [], []
+    stopped: dict[str, list[int]] = records.get("stopped", {})
+    abort_ms, close_ms, hit_ms, stopped_ms, calls = [], [], [], [], []
+    unstopped = 0
     for tag, at in closed.items():
         rid = ids.get(tag)
-        if rid is not None and f"chatcmpl-{rid}" in first_abort:
-            abort_ms.append((first_abort[f"chatcmpl-{rid}"] - at) / 1e6)
+        engine_id = f"chatcmpl-{rid}" if rid is not None else None
+        if engine_id is not None and engine_id in first_abort:
+            abort_ms.append((first_abort[engine_id] - at) / 1e6)
+        if engine_id is not None:
+            calls.append(float(naming.get(engine_id, 0)))
+        ends = []
         if tag in upstream_close:
             close_ms.append((upstream_close[tag] - at) / 1e6)
-    calls = [len(r) for at, r in records["aborts"]
+            ends.append(close_ms[-1])
+        if tag in stopped:
+            hit_ms.append((stopped[tag][0] - at) / 1e6)
+            ends.append(hit_ms[-1])
+        if ends:
+            stopped_ms.append(min(ends))
+        else:
+            unstopped += 1
+    by_process = [0] * records.get("api_servers", 1)
+    for process in records.get("abort_processes", []):
+        by_process[process] += 1
+    after = [len(r) for at, r in records["aborts"]
              if any(at >= c for c in closed.values())]
     return {"closed": len(closed), "open": result["open"], "errors": result["errors"],
             "close_spread_ms": result["close_spread_ms"], "cpu_s": result["cpu_s"],
             "close_lag_ms": result.get("close_lag_ms"),
             "abort_ms": spread(abort_ms), "upstream_close_ms": spread(close_ms),
+            "hit_ms": spread(hit_ms), "stopped_ms": spread(stopped_ms),
+            "calls_per_request": spread(calls),
             "aborted": len(abort_ms), "upstream_closed": len(close_ms),
-            "abort_calls": len(records["aborts"]), "ids_per_call": calls,
-            "samples": {"abort_ms": abort_ms, "upstream_close_ms": close_ms},
-            "summary": f"abort {spread(abort_ms)} upstream close {spread(close_ms)}"}
+            "abort_stopped": len(hit_ms), "unstopped": unstopped,
+            "abort_calls": len(records["aborts"]), "ids_per_call": after,
+            "abort_hits": records.get("abort_hits", 0),
+            "abort_misses": records.get("abort_misses", 0),
+            "api_servers": records.get("api_servers", 1), "calls_by_process": by_process,
+            "samples": {"abort_ms": abort_ms, "upstream_close_ms": close_ms, "hit_ms": hit_ms,
+                        "stopped_ms": stopped_ms, "calls_per_request": calls},
+            "summary": f"abort {spread(abort_ms)} upstream close {spread(close_ms)} stopped "
+                       f"{spread(stopped_ms)} ({len(hit_ms)} by abort, {unstopped} not) calls "
+                       f"per request {spread(calls)}"}
 
 
 def pool_storms(storms: list[dict[str, Any]]) -> dict[str, Any]:
@@ -453,15 +549,20 @@ def pool_storms(storms: list[dict[str, Any]]) -> dict[str, Any]:
     def median(values: list[float]) -> float:
         return sorted(values)[len(values) // 2]
 
-    pooled: dict[str, Any] = {"storms": len(storms)}
-    for key in ("closed", "open", "errors", "aborted", "upstream_closed", "abort_calls"):
-        pooled[key] = sum(s[key] for s in storms)
+    pooled: dict[str, Any] = {"storms": len(storms),
+                              "api_servers": storms[0].get("api_servers", 1)}
+    for key in ("closed", "open", "errors", "aborted", "upstream_closed", "abort_calls",
+                "abort_stopped", "unstopped", "abort_hits", "abort_misses"):
+        pooled[key] = sum(s.get(key, 0) for s in storms)
+    pooled["calls_by_process"] = [sum(c) for c in zip(*(s.get("calls_by_process", [0])
+                                                         for s in storms), strict=True)]
     pooled["close_spread_ms"] = median([s["close_spread_ms"] for s in storms])
     pooled["cpu_s"] = {name: median([s["cpu_s"].get(name) or 0.0 for s in storms])
                        for name in storms[0]["cpu_s"]}
-    for key in ("abort_ms", "upstream_close_ms"):
-        pooled[key] = spread([v for s in storms for v in s["samples"][key]])
-        pooled[f"{key}_p99_per_storm"] = [s[key].get("p99") for s in storms]
+    for key in ("abort_ms", "upstream_close_ms", "hit_ms", "stopped_ms", "calls_per_request"):
+        pooled[key] = spread([v for s in storms for v in s["samples"].get(key, [])])
+        pooled[f"{key}_p99_per_storm"] = [s[key].get("p99") if key in s else None
+                                          for s in storms]
     return pooled
 
 
@@ -508,11 +609,12 @@ async def run_async(args: argparse.Namespace, log_dir: Path, nofile: int) -> dic
         await bench.start()
         log(f"paths: {', '.join(f'{k} :{bench.port(k)}' for k in bench.paths)}")
         await bench.warm_up()
-        await bench.phase_idle()  # first: on proxies that have not yet grown their heaps
-        await bench.phase_streams()
-        await bench.phase_sweep()
-        await bench.phase_storm()
-        await bench.phase_profile()
+        phases = {"idle": bench.phase_idle, "streams": bench.phase_streams,
+                  "sweep": bench.phase_sweep, "storm": bench.phase_storm,
+                  "profile": bench.phase_profile}
+        for name in args.phases:  # idle first: on proxies that have not yet grown their heaps
+            if name in phases:
+                await phases[name]()
     except BaseException:
         for proc in bench.procs:
             log(f"{proc.name} logs:\n{proc.log_tail()}")
@@ -526,7 +628,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser().parse_args(argv)
     defaults(args)
     nofile = raise_fd_limit(FD_WANT)  # inherited by every process we start
-    if args.out is None and args.quick:
+    if args.out is None and (args.quick or len(args.phases) < len(PHASES)):
         args.out = Path(tempfile.mkdtemp(prefix="bench-quick-"))
     out = args.out or REPO / "docs"
     out.mkdir(parents=True, exist_ok=True)

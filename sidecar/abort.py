@@ -63,6 +63,7 @@ call that succeeded; the bearer key is never logged.
 from __future__ import annotations
 
 import asyncio
+import functools
 import heapq
 import itertools
 import logging
@@ -198,6 +199,8 @@ class _Resend:
     # surely registered then); ``calls`` counts every call naming the ids (the first too), at
     # most ``abort.max_calls``.
     confirming: bool = False
+    confirmation: Confirmation | None = None
+    tried: set[int] = field(default_factory=set)  # id()s of the abort connections it went on
     widen_from: float = 0.0
     width: int = 1
     calls: int = 1
@@ -370,7 +373,8 @@ class Aborter:
             known = noticed_at if body_sent_at is None else body_sent_at + window_s
             request.resend = _Resend(ids, sidecar_id, until, min(noticed_at + CONFIRM_WAIT_S,
                                                                  until),
-                                     CONFIRM_WAIT_S, confirming=True, widen_from=known)
+                                     CONFIRM_WAIT_S, confirming=True,
+                                     confirmation=confirmation, widen_from=known)
             confirmation.arm(until, lambda verdict: self._verdict(engine, request, verdict))
         elif body_sent_at is not None and window_s > 0 and not self._closed:
             until = body_sent_at + window_s
@@ -455,6 +459,10 @@ class Aborter:
         count = 0
         while queue.resends and queue.resends[0][0] <= now + RESEND_COALESCE_S:
             _, _, resend = heapq.heappop(queue.resends)
+            if resend.confirmation is not None:
+                # The engine's answer may be read and held (sidecar.relay.ReadPacer: while
+                # clients leave, engine reads wait so that aborts go first): read it now.
+                resend.confirmation.read_held()
             if resend.stopped:
                 continue
             if resend.pending is None or resend.pending.unsent == 0:  # the last one went out
@@ -463,8 +471,6 @@ class Aborter:
                     copies = min(resend.width, settings.max_calls - resend.calls)
                     if now >= resend.widen_from or now - queue.multi_at < MULTI_MEMORY_S:
                         resend.width = min(resend.width * 2, settings.fanout)
-                        if resend.calls >= settings.connections:  # every one went unconfirmed
-                            self._pool(engine).reshuffle(copies)
                     resend.calls += copies
                 again = resend.pending = _Request(resend.ids, resend.sidecar_id, now, None,
                                                   len(resend.ids), resend=resend, first=False,
@@ -554,11 +560,17 @@ class Aborter:
                         request.calls += 1
                 queue.in_flight += 1
                 self._in_flight += 1
+                spread = [r.resend.tried for r in requests
+                          if r.resend is not None and r.resend.confirming]
                 try:
                     pending: PendingCall | None = self._pool(engine).begin(
-                        call.path, call.json, engine.abort_headers())
+                        call.path, call.json, engine.abort_headers(),
+                        functools.partial(_tried_by, spread) if spread else None)
                 except Exception:  # noqa: BLE001 - _post makes it again and reports the error
                     pending = None
+                if pending is not None and pending.conn is not None:
+                    for tried in spread:
+                        tried.add(id(pending.conn))
                 self._tasks.spawn(self._send(queue, call, len(ids), requests, pending),
                                   name=f"abort {engine.name}: {len(ids)} id(s)")
         if queue.idle() and self._queues.get(engine) is queue:
@@ -675,8 +687,12 @@ class Aborter:
                     # endpoint starts the abort in a task).
                     self._confirming[request] = engine
                     if resend is not None and not resend.stopped and not self._closed:
-                        resend.due = min(max(resend.due, time.monotonic() + CONFIRM_WAIT_S),
-                                         resend.until)
+                        # As long again as the answer took from the disconnect (a loaded loop,
+                        # a storm: the end is read as late as the answer was), at least
+                        # CONFIRM_WAIT_S.
+                        now = time.monotonic()
+                        wait = max(CONFIRM_WAIT_S, now - request.noticed_at)
+                        resend.due = min(max(resend.due, now + wait), resend.until)
                         self._schedule_resend(self._queue(engine), resend)
                     return
                 # Refused, failed, dropped or cancelled: the abort path is broken, so the
@@ -771,3 +787,8 @@ def _spread(engine: EngineAdapter) -> tuple[int, bool]:
     if engine.confirms and settings.confirm_timeout_s > 0:
         return settings.connections, True
     return WARM, False
+
+
+def _tried_by(tried: list[set[int]], conn: object) -> int:
+    """How many of the requests whose abort connections ``tried`` holds went on ``conn``."""
+    return sum(id(conn) in t for t in tried)

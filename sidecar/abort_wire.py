@@ -29,8 +29,13 @@ the kernel completed waits in the listen backlog until a process calls ``accept`
 process awake first takes every connection queued: uvloop accepts until the backlog is empty;
 apart, each is a race of its own among the processes), and hands out the least recently used
 idle one, so that successive calls for one request go to other connections, and other
-processes, than the call that just missed. A request whose calls went round every connection
-unconfirmed (no process they reach owns it) makes the pool replace some (:meth:`reshuffle`).
+processes, than the call that just missed; among the idle ones, those the call's requests tried
+least go first (``tried`` of :meth:`AbortPool.begin`), so each request's calls go round every
+connection in turn. vLLM 0.32 gives each new connection to the API-server process with the
+fewest open connections (``entrypoints/launchers/launcher.py``; measured by
+``tests/e2e/probe_api_servers.py``: 16 connections held and opened one after another split
+8/8 over 2 processes, 4/4/4/4 over 4), so ``size`` warm connections reach every process of
+up to ``size / 2``.
 
 Only what an abort call needs: ``POST`` with a JSON body and the bearer key, a status back, the
 answer body read and dropped, never a redirect followed. Failures raise :class:`AbortWireError`
@@ -47,6 +52,7 @@ import json
 import logging
 import ssl
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, cast
 from urllib.parse import urlsplit
@@ -66,8 +72,7 @@ RECYCLE_S = 4.0  # an idle connection older than this is replaced (uvicorn close
 REOPEN_BACKOFF_S = 1.0  # between attempts to reopen the warm connection of an unreachable engine
 MAX_IDLE = 8  # idle connections kept after a burst of concurrent calls (at least ``size``)
 # Between two new spread connections, seconds: each is accepted in a race of its own.
-SPREAD_GAP_S = 0.005
-RESHUFFLE_S = 0.05  # a spread pool replaces connections at most this often (reshuffle)
+SPREAD_GAP_S = 0.02
 
 
 class AbortWireError(SidecarError):
@@ -184,20 +189,21 @@ class AbortPool:
         self._loop = asyncio.get_running_loop()
         self._recycler: asyncio.TimerHandle | None = None
         self._keeper: asyncio.Task[None] | None = None
-        self._reshuffled = -RESHUFFLE_S
 
     def start(self) -> None:
         """Open the warm connection of a ``warm`` pool (in the background; an engine not up yet
         is retried every ``REOPEN_BACKOFF_S``)."""
         self._keep_warm()
 
-    def begin(self, path: str, body: Any, headers: dict[str, str]) -> PendingCall:
+    def begin(self, path: str, body: Any, headers: dict[str, str],
+              tried: Callable[[AbortConnection], int] | None = None) -> PendingCall:
         """``POST path`` with ``body`` as JSON and ``headers``, written now, in the caller's
-        step, if a warm connection is idle (else :meth:`answer` opens one). Raises
-        ``UnicodeEncodeError`` for a header that is not latin-1 (the config refuses keys
-        outside ASCII)."""
+        step, if a warm connection is idle (else :meth:`answer` opens one). ``tried``: how many
+        of the call's requests a connection already carried (a spread pool takes the idle one
+        least tried, the least recently used of those). Raises ``UnicodeEncodeError`` for a
+        header that is not latin-1 (the config refuses keys outside ASCII)."""
         data = self._request(path, body, headers)
-        conn = self._take_idle()
+        conn = self._take_idle(tried)
         return PendingCall(data, conn, None if conn is None else conn.send(data))
 
     async def answer(self, call: PendingCall) -> int:
@@ -232,7 +238,15 @@ class AbortPool:
         """True if a call :meth:`begin` starts now is written at once."""
         return any(c.open for c in self._idle)
 
-    def _take_idle(self) -> AbortConnection | None:
+    def _take_idle(self, tried: Callable[[AbortConnection], int] | None = None
+                   ) -> AbortConnection | None:
+        if self.spread and tried is not None and self._idle:
+            # The least recently used among the connections these requests tried least: a
+            # request's calls go round every connection (and so every process) in turn.
+            best = min(self._idle, key=lambda c: (not c.open, tried(c)))  # first: the LRU
+            if best.open:
+                self._idle.remove(best)
+                return best
         while self._idle:
             # Spread: the least recently used (another process than the last call's, maybe);
             # else the most recently used, the least likely to be stale.
@@ -263,19 +277,6 @@ class AbortPool:
     def lost(self, conn: AbortConnection) -> None:
         if conn in self._idle:
             self._idle.remove(conn)
-        self._keep_warm()
-
-    def reshuffle(self, count: int) -> None:
-        """A spread pool's calls for one request went round every connection without reaching
-        its owner (no process of theirs owns it): close up to ``count`` idle connections,
-        least recently used first, and open others in their place, ``SPREAD_GAP_S`` apart, each
-        accepted by whichever process wins its race. At most once per ``RESHUFFLE_S``."""
-        now = self._loop.time()
-        if not self.spread or now - self._reshuffled < RESHUFFLE_S:
-            return
-        self._reshuffled = now
-        for _ in range(min(count, len(self._idle))):
-            self._idle.popleft().close()  # its connection_lost: lost() -> _keep_warm()
         self._keep_warm()
 
     def _recycle(self) -> None:

@@ -106,6 +106,12 @@ class Confirmation:
         if self.open:
             self._decide(CONFIRMED if self.aborted else FINISHED)
 
+    def read_held(self) -> None:
+        """Parse what the engine sent that the relay holds back while clients leave
+        (:class:`sidecar.relay.ReadPacer`), before deciding to re-send: it may be the end."""
+        if self.open:
+            self.response.connection.relay_held()
+
     def close(self) -> None:
         """Stop watching without a verdict and close the upstream connection now."""
         self._on_verdict = None

@@ -395,9 +395,11 @@ class Exchange:
         return self.aborting > 0
 
     def close(self) -> None:
-        """Last step of every request: a response not read to its end is never pooled again."""
-        if self.upstream is not None and not self.upstream_finished:
-            self.upstream.close()
+        """Last step of every request: a response not read to its end is never pooled again
+        (one still before its head too), unless a confirmation watches it."""
+        upstream = self.upstream or self.sending
+        if upstream is not None and not self.upstream_finished:
+            upstream.close()
             self.upstream_finished = True
 
     def _abort_now(self, noticed_at: float, *, close_later: bool = False,
@@ -457,11 +459,12 @@ class Exchange:
         if close_later and self.aborting:
             self._stop_reading_upstream()
             return
-        if self.upstream is not None:
+        upstream = self.upstream or self.sending
+        if upstream is not None:
             if close_later:
-                asyncio.get_running_loop().call_soon(self.upstream.close)
+                asyncio.get_running_loop().call_soon(upstream.close)
             else:
-                self.upstream.close()
+                upstream.close()
         self.upstream_finished = True
 
     def _stop_reading_upstream(self) -> None:

@@ -214,10 +214,11 @@ async def open_upstream(
     parse) or :class:`UpstreamDisconnected` (closed or reset before the head, after the one
     re-send); :class:`~sidecar.errors.RequestBodyTooLarge` or
     :class:`~sidecar.errors.RequestBodyTimeout` if the client's body broke a limit first (never
-    re-sent). On any failure or cancellation the connection is closed, never pooled, unless
-    the response was handed to a watcher meanwhile (:meth:`UpstreamResponse.watch`: the
-    client left and the engine's confirmation of its abort is read on it). ``sent``: told of
-    each attempt's response as soon as its request is written, before its head arrives.
+    re-sent). On any failure the connection is closed, never pooled. ``sent``: told of each
+    attempt's response as soon as its request is written, before its head arrives; on
+    cancellation (or a first-byte timeout) that response is then the caller's to close, or to
+    hand to a watcher (:meth:`UpstreamResponse.watch`: the engine's confirmation of an abort is
+    read on it); without ``sent`` it is closed.
     """
     engine = origin(base_url)
     fresh = False
@@ -278,9 +279,15 @@ async def _attempt(pool: UpstreamPool, engine: Origin, method: str, target: str,
         exc.stale = connection.reused and time.monotonic() - written <= STALE_LOSS_S
         response.close()
         raise
-    except BaseException:
-        if response.watcher is None:
+    except asyncio.CancelledError:
+        # The handler was cancelled (its client left, the cancel API, a deadline) or the first
+        # byte timed out: whoever was told of the response (``sent``) closes it, or hands it
+        # to a watcher that reads the engine's confirmation of the abort.
+        if sent is None:
             response.close()
+        raise
+    except BaseException:
+        response.close()
         raise
     return response
 

@@ -46,10 +46,12 @@ their last token un-aborted.
   processes share one listening socket and each TCP connection belongs to the one that
   accepted it, for its whole life. The fake picks it as it accepts the connection (aiohttp's
   ``Server.connection_made``; kept per transport) by ``accept``: ``"random"`` (uniform, ``random.Random(seed)``),
-  ``"round_robin"`` or ``"idle"`` (process k with probability proportional to
-  ``1 / (1 + running_k) ** 2``, ``running_k`` its works still running: a model of the
-  measured skew, a process busy streaming accepts less often), and records it in
-  ``connections``. A request's ids belong to that process (``Work.process``), and an abort call
+  ``"round_robin"``, ``"idle"`` (process k with probability proportional to
+  ``1 / (1 + running_k) ** 2``, ``running_k`` its works still running: a process busy
+  streaming accepts less often) or ``"least_connections"`` (the process with the fewest open
+  connections: what vLLM 0.32 does, ``entrypoints/launchers/launcher.py``, measured by
+  ``tests/e2e/probe_api_servers.py``; a request's own connection makes its owner the busiest,
+  so fresh connections go elsewhere), and records it in ``connections``. A request's ids belong to that process (``Work.process``), and an abort call
   aborts only ids its own process owns; ids live or pending in another process are answered
   200 and change nothing (``AbortCall.missed``, ``Work.missed``, ``missed``), as
   ``AsyncLLM.abort`` drops ids it does not own. Ids pending in the call's own process, or not
@@ -105,7 +107,7 @@ from sidecar.readiness import PROBE_PREFIX
 from tests.fake_engine import Watch
 
 LINGER_S = 10.0  # the longest an abortable engine goes on with a request whose connection closed
-ACCEPT_POLICIES = ("random", "round_robin", "idle")  # how a new connection picks its API server
+ACCEPT_POLICIES = ("random", "round_robin", "idle", "least_connections")  # how a new connection picks its API server
 PROCESS = web.RequestKey("process", int)  # the API-server process that accepted a request's
 #                                           connection (set by KindEngine's first middleware)
 
@@ -220,6 +222,7 @@ class KindEngine:
         self.api_servers = api_servers  # API-server processes behind the one port
         self.accept = accept  # how a new connection picks one (ACCEPT_POLICIES; may change)
         self._rng = random.Random(seed)  # the "random" and "idle" choices
+        self._open = [0] * api_servers  # open connections per process (least_connections)
         self._accepted = 0  # connections accepted so far (the "round_robin" turn)
         # transport -> its process, for the connection's life (aiohttp's RequestHandler takes
         # no weak reference, its transport does, on asyncio's loop and on uvloop)
@@ -259,11 +262,23 @@ class KindEngine:
         assert server is not None
         made = server.connection_made
 
+        lost = server.connection_lost
+
+        open_by: dict[int, int] = {}  # id(handler) -> its process, while open
+
         def accepted(handler: Any, transport: asyncio.Transport) -> None:
-            self._accept(transport)  # the process is chosen as the connection is accepted
+            # The process is chosen as the connection is accepted.
+            open_by[id(handler)] = self.connections[self._accept(transport)].process
             made(handler, transport)
 
+        def gone(handler: Any, exc: BaseException | None) -> None:
+            process = open_by.pop(id(handler), None)
+            if process is not None:
+                self._open[process] -= 1
+            lost(handler, exc)
+
         server.connection_made = accepted  # type: ignore[method-assign]
+        server.connection_lost = gone  # type: ignore[method-assign]
         await web.TCPSite(self.runner, "127.0.0.1", 0).start()
         self.url = f"http://127.0.0.1:{self.runner.addresses[0][1]}"
 
@@ -279,7 +294,9 @@ class KindEngine:
         """How a new connection picks its API-server process: ``"random"`` (uniform),
         ``"round_robin"`` (connection ``i`` to process ``i % api_servers``) or ``"idle"``
         (process ``k`` with probability proportional to ``1 / (1 + running_k) ** 2``,
-        ``running_k`` its works still running: :meth:`running_per_process`)."""
+        ``running_k`` its works still running: :meth:`running_per_process`) or
+        ``"least_connections"`` (the process with the fewest open connections, ties at random:
+        what vLLM 0.32's launcher does, ``entrypoints/launchers/launcher.py``)."""
         return self._accept_policy
 
     @accept.setter
@@ -313,6 +330,7 @@ class KindEngine:
     def _accept(self, transport: Any) -> int:
         """Choose the process for a newly accepted connection; its index in ``connections``."""
         process = self._choose()
+        self._open[process] += 1
         self._accepted += 1
         peer = transport.get_extra_info("peername") if transport is not None else None
         index = len(self.connections)
@@ -331,6 +349,9 @@ class KindEngine:
         if self.accept == "idle":
             weights = [1 / (1 + r) ** 2 for r in self.running_per_process()]
             return self._rng.choices(range(self.api_servers), weights)[0]
+        if self.accept == "least_connections":  # vLLM 0.32's launcher; ties at random
+            fewest = min(self._open)
+            return self._rng.choice([k for k, n in enumerate(self._open) if n == fewest])
         return self._rng.randrange(self.api_servers)
 
     def _split_owned(self, ids: list[str], process: int) -> tuple[list[str], list[str]]:

@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+from collections import Counter
 import logging
 import random
 import socket
@@ -74,7 +75,7 @@ INSTANTS = {"0": 0.0, "10ms": 0.01, "100ms": 0.1, "500ms": 0.5}
 HOWS = ("rst", "fin", "half")
 MAX_CALLS = 64  # the default engines.*.abort.max_calls
 STEP_S = 0.01  # between launching two clients
-ACCEPT = "random"
+ACCEPT = "least_connections"  # vLLM 0.32: tests/e2e/probe_api_servers.py
 
 
 @pytest_asyncio.fixture
@@ -94,7 +95,16 @@ async def deploy(fakes: list[VLLMEngine], start_sidecar: Callable[..., Any], pro
     tree = config_tree(fake.url, api_key=API_KEY, log_level="WARNING", engines={"local": {
         "kind": "vllm", "url": fake.url, "abort": {"api_key": API_KEY, **abort}}})
     servers: Servers = await start_sidecar(parse_config(yaml.safe_dump(tree), "<test>", env={}))
+    await warm(fake)
     return fake, servers
+
+
+async def warm(fake: VLLMEngine, connections: int = 16) -> None:
+    """Wait for the sidecar's warm abort connections (``abort.connections``, opened apart) to be
+    open at the engine, as a deployment's are before traffic: each was accepted by the process
+    with the fewest connections then, so every process holds some (vLLM 0.32's launcher)."""
+    assert await fake.watch.until(lambda: len(fake.connections) >= connections, 5.0), (
+        f"expected {connections} abort connections, the engine saw {len(fake.connections)}")
 
 
 def by_tag(fake: VLLMEngine, tag: str) -> Work | None:
@@ -170,7 +180,8 @@ async def test_no_engine_id_outlives_its_client_behind_n_processes(
     for work in fake.works:
         if isinstance(work.body, dict) and str(work.body.get("tag", "")).startswith("bystander"):
             assert not named & set(work.engine_ids), f"a bystander's id was named: {work}"
-    assert not problems, "\n".join(problems)
+    by_process = Counter(c.process for c in fake.calls)
+    assert not problems, "\n".join([*problems, f"calls per process {sorted(by_process.items())}"])
 
     await wait_metric(stalls, admin, "cancel_sidecar_aborted_requests_total", len(victims),
                       engine="local", outcome="confirmed")
@@ -194,32 +205,36 @@ async def _later(delay_s: float, job: Any) -> Any:
 
 async def test_storm_behind_8_processes_through_the_cli(
         fakes: list[VLLMEngine], stalls: Stalls, tmp_path: Path) -> None:
-    fake = VLLMEngine(API_KEY, api_servers=8, accept="idle", seed=8)
+    fake = VLLMEngine(API_KEY, api_servers=8, accept=ACCEPT, seed=8)
     await fake.start()
     fakes.append(fake)
     tree = config_tree(fake.url, api_key=API_KEY, log_level="WARNING", engines={"local": {
         "kind": "vllm", "url": fake.url, "abort": {"api_key": API_KEY}}})
     streams, tokens = 200, 60
     async with cli_process(tmp_path, tree) as cli:
+        await warm(fake)
         clients = []
         for n in range(streams):
             c = await asyncio.open_connection("127.0.0.1", cli.proxy_port)
             c[1].write(_raw_post(f"s{n}", f"tokens={tokens}&interval=0.05"))
             clients.append(c)
-        for reader, _ in clients:  # every stream is generating
-            await stalls.wait(reader.readuntil(b"data:"), "a storm stream's first event")
+        firsts = [await stalls.wait(reader.readuntil(b"data:"), "a storm stream's first event")
+                  for reader, _ in clients]  # every stream is generating
         for _, writer in clients[::2]:
             writer.transport.get_extra_info("socket").setsockopt(
                 socket.SOL_SOCKET, socket.SO_LINGER, _LINGER_RST)
             writer.transport.abort()
         left = [f"s{n}" for n in range(0, streams, 2)]
         kept = [(f"s{n}", clients[n][0]) for n in range(1, streams, 2)]
-        bodies = await asyncio.gather(*(stalls.wait(r.read(), f"{t} to its end", 30.0)
-                                        for t, r in kept))
+        rests = await asyncio.gather(*(stalls.wait(r.read(), f"{t} to its end", 30.0)
+                                       for t, r in kept))
+        bodies = [firsts[n] + rest for n, rest in zip(range(1, streams, 2), rests, strict=True)]
         await stalls.wait(fake.watch.until(
             lambda: all((w := by_tag(fake, t)) is not None and not w.running for t in left),
             FOREVER), "every reset stream stopped at the engine", 10.0)
         values = await metrics(cli.admin_port)
+        for _, writer in clients[1::2]:
+            writer.close()
     for tag in left:
         work = by_tag(fake, tag)
         assert work is not None and work.stopped_at is not None and not work.ran_to_end, (
@@ -271,9 +286,12 @@ async def test_registration_race_confirmed_with_fewer_calls(
     counts = []
     for n in range(5):
         tag = f"race{n}"
-        await leave(servers.proxy_port, stalls, "chat-stream", "0", "rst", tag,
-                    f"{GEN}&register_delay=0.05")
-        work = await _arrived(fake, stalls, tag)
+        path, body, _ = ROUTES["chat-stream"]
+        async with raw_client(servers.proxy_port, stalls) as c:
+            c.send("POST", f"{path}?{GEN}&register_delay=0.05",
+                   request_body({**body, "tag": tag}, True))
+            work = await _arrived(fake, stalls, tag)  # the engine has the body: leave now
+            c.disconnect("rst")
         await stalls.wait(fake.watch.until(lambda w=work: not w.running, FOREVER),
                           f"{tag} stopped", 5.0)
         assert not work.ran_to_end and work.ignored, (

@@ -213,10 +213,10 @@ async def test_stream_missed_then_hit_ends_at_once() -> None:
         assert work.closed_at is None, "end_on_abort waited for the connection to close"
 
 
-async def test_lazy_end_is_the_default() -> None:
-    """Without ``end_on_abort`` an aborted stream waits for its connection to close (up to
-    1 s) before its end: the behaviour the sidecar tests rely on."""
-    async with running(api_servers=2, accept="round_robin") as engine, \
+async def test_lazy_end_without_end_on_abort() -> None:
+    """With ``end_on_abort=False`` an aborted stream waits for its connection to close (up to
+    1 s) before its end: the older model, for a sidecar that closes with its abort."""
+    async with running(api_servers=2, accept="round_robin", end_on_abort=False) as engine, \
             conns(engine, 0, 1, 0) as (owner_conn, _, same):
         async with owner_conn.session.post(CHAT + STREAM, json={**MESSAGES, "stream": True},
                                            headers={"X-Request-Id": "r2"}) as response:

@@ -105,9 +105,9 @@ async def test_sigterm_cancels_a_straggler_after_the_grace_period(
         f"tail={rest[-60:]!r}")
     assert grace <= cut_at - sent < grace + 3.0, (
         f"expected the stream cut after the {grace} s grace period, got {cut_at - sent:.2f} s")
-    assert gen.closed_at is not None and not gen.finished, (
-        f"expected the upstream closed before the end, got finished={gen.finished}, "
-        f"closed_at={gen.closed_at}")
+    assert gen.stopped_at is not None and not gen.finished, (
+        f"expected the engine to stop it before the end (aborted, or its upstream closed), got "
+        f"finished={gen.finished}, closed_at={gen.closed_at}, aborted_at={gen.aborted_at}")
     ids = [a.ids for a in engine.record.aborts]
     assert ids == [[f"cmpl-{rid}-0"]], f"expected one abort of cmpl-{rid}-0, got {ids}"
     assert engine.record.aborts[0].authorization == "Bearer cli-key"

@@ -190,7 +190,7 @@ async def test_json_lines_one_access_line_per_request_and_no_secrets(
     gone = by_id[gone_id]
     expected_gone = {"client_request_id": None, "route": "/", "engine": "local",
                      "method": "POST", "path": COMPLETIONS, "status": 200,
-                     "client_disconnected": True, "phase": "streaming", "abort": "accepted"}
+                     "client_disconnected": True, "phase": "streaming", "abort": "confirmed"}
     got = {k: gone[k] for k in expected_gone}
     assert got == expected_gone, f"disconnected stream: expected {expected_gone}, got {got}"
     assert gone["bytes_sent"] > 0, f"expected the first event counted in bytes_sent: {gone}"

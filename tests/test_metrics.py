@@ -94,9 +94,10 @@ def sidecar_config(engine: FakeEngine) -> dict[str, Any]:
 async def disconnect(engine: FakeEngine, stalls: Stalls, port: int, path: str, body: bytes,
                      streamed: bool) -> None:
     """Send ``body`` to ``path``; leave (RST) once the engine works on it (``streamed``: after
-    the first SSE event), then wait for the engine to see its connection closed."""
+    the first SSE event), then wait for the engine to stop it (aborted: it ends the response,
+    the sidecar's confirmation; or its connection closed)."""
     engine.record.started_event.clear()
-    engine.record.closed_event.clear()
+    engine.record.stopped_event.clear()
     async with raw_client(port, stalls) as c:
         c.send("POST", path, body)
         if streamed:
@@ -107,8 +108,8 @@ async def disconnect(engine: FakeEngine, stalls: Stalls, port: int, path: str, b
             await stalls.wait(engine.record.started_event.wait(),
                               f"the engine to start {path}")
         c.disconnect("rst")
-        await stalls.wait(engine.record.closed_event.wait(),
-                          f"the upstream connection of {path} to close")
+        await stalls.wait(engine.record.stopped_event.wait(),
+                          f"the engine to stop {path} (aborted, or its connection closed)")
 
 
 async def test_metrics_count_scripted_traffic(engine: FakeEngine,
@@ -170,9 +171,9 @@ async def test_metrics_count_scripted_traffic(engine: FakeEngine,
     aborts = by(values, "cancel_sidecar_abort_calls_total", "engine", "outcome")
     assert aborts == {("local", "accepted"): 2, ("forbidden", "http_403"): 1,
                       ("slow", "timeout"): 1}, f"abort_calls_total: got {aborts}"
-    latency = by(values, "cancel_sidecar_abort_latency_seconds_count", "engine")
+    latency = by(values, "cancel_sidecar_abort_confirm_seconds_count", "engine")
     assert latency == {("local",): 2}, (
-        f"abort_latency_seconds: expected 2 observations (the ok aborts), got {latency}")
+        f"abort_confirm_seconds: expected 2 observations (the confirmed aborts), got {latency}")
     in_flight = {k: v for (n, k), v in values.items() if n == "cancel_sidecar_in_flight_requests"}
     assert in_flight and all(v == 0 for v in in_flight.values()), (
         f"in_flight_requests: expected 0 on every route, got {in_flight}")
@@ -202,8 +203,9 @@ async def test_metric_names_follow_prometheus_practice(engine: FakeEngine,
         if family.type == "counter":
             assert f"{family.name}_total" in names or not family.samples, (
                 f"counter {family.name}: expected samples named {family.name}_total, got {names}")
-        if family.type == "histogram":
-            assert family.name.endswith("_seconds"), (
+        if family.type == "histogram":  # a count of things is unit-less: calls per request
+            assert (family.name.endswith("_seconds")
+                    or family.name == "cancel_sidecar_abort_calls_per_request"), (
                 f"histogram {family.name}: expected a base unit suffix _seconds")
         labels = {label for sample in family.samples for label in sample.labels}
         assert labels <= allowed_labels, (

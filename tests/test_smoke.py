@@ -33,9 +33,10 @@ async def test_disconnect_aborts(engine: FakeEngine, sidecar: Servers) -> None:
     closed = time.monotonic()
     writer.transport.abort()
     rec = await engine.record.wait_abort(2.0)
-    await asyncio.wait_for(engine.record.closed_event.wait(), 2.0)
+    await asyncio.wait_for(engine.record.stopped_event.wait(), 2.0)
     gen = engine.record.generations[0]
     assert rec.ids == [f"chatcmpl-{gen.request_id}"]
     assert rec.authorization == "Bearer sekret-key"
+    assert gen.stopped_at is not None and not gen.finished, gen
     print("abort after", (rec.at - closed) * 1000,
-          "ms; close after", (gen.closed_at - closed) * 1000)
+          "ms; engine stopped after", (gen.stopped_at - closed) * 1000)

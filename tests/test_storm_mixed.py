@@ -292,7 +292,7 @@ async def storm(vllm: VLLMEngine, openai: OpenAIEngine, servers: Servers, stalls
         if rid is None:
             continue
         line = line_of.get(rid)
-        want_abort = "accepted" if plan.path == CHAT else None
+        want_abort = "confirmed" if plan.path == CHAT else None  # the engine ended it aborted
         if (line is None or line["phase"] != plan.phase or not line["client_disconnected"]
                 or line["abort"] != want_abort):
             bad_lines.append(f"{plan.marker} ({plan.how}): expected phase {plan.phase}, "

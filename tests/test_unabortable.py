@@ -92,6 +92,13 @@ async def sglang_closed(fake: SGLangEngine) -> None:
         "expected the upstream connection closed")
 
 
+async def sglang_stopped(fake: SGLangEngine) -> None:
+    """Wait for the fake SGLang to stop its (first) request: aborted (it then ends the response,
+    the sidecar's confirmation) or its connection closed."""
+    assert await fake.watch.until(lambda: fake.works[0].stopped_at is not None, GUARD_S), (
+        "expected the request stopped at the engine")
+
+
 async def disconnect_mid_stream(reader: asyncio.StreamReader, writer: asyncio.StreamWriter,
                                 closed: Callable[[], Awaitable[object]]) -> None:
     """Read the first SSE event, reset the connection, wait for the engine to see its close."""
@@ -310,7 +317,7 @@ async def test_abortable_sglang_disconnect_is_aborted_not_counted(
     sidecar: Servers = await start_sidecar(sglang_config(sglang.url))
     reader, writer = await post(sidecar.proxy_port, "/v1/chat/completions",
                                 {"messages": [], "stream": True}, "?tokens=100000")
-    await disconnect_mid_stream(reader, writer, lambda: sglang_closed(sglang))
+    await disconnect_mid_stream(reader, writer, lambda: sglang_stopped(sglang))
     (work,) = sglang.works
     assert await sglang.watch.until(lambda: work.stopped_at is not None, GUARD_S), work
     assert sorted(work.aborted) == sorted(work.engine_ids), work
@@ -324,7 +331,7 @@ async def test_abortable_vllm_disconnect_is_aborted_not_counted(
     sidecar: Servers = await start_sidecar(sidecar_settings(engine.url))
     reader, writer = await post(sidecar.proxy_port, "/v1/responses",
                                 {"input": "hi", "stream": True}, "?tokens=100000")
-    await disconnect_mid_stream(reader, writer, engine.record.closed_event.wait)
+    await disconnect_mid_stream(reader, writer, engine.record.stopped_event.wait)
     record = await engine.record.wait_abort(GUARD_S)
     assert len(record.ids) == 1 and record.ids[0].startswith("resp_"), record.ids
     got = await counted(sidecar.admin_port)

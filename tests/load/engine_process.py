@@ -7,7 +7,9 @@ prints ``ready PORT``. Queries on stdin, one per line, each answered with one JS
 - ``aborts K``: the abort calls from the K-th on (arrival order), as ``[[at, [ids...]], ...]``;
   ``at`` is ``time.monotonic()`` in the engine process when the call arrived (the clock is the
   system's monotonic clock, the same in every process);
-- ``closed``: the ``X-Request-Id`` of every generation whose connection went away early.
+- ``closed``: the ``X-Request-Id`` of every generation the engine stopped early: its connection
+  went away, or an abort named it (the fake then ends it at once, as vLLM does; the sidecar
+  reads that end as its confirmation and closes nothing).
 
 End of stdin stops it. :func:`engine_process` is the test side: it starts the process, waits for
 the ready line (bounded) and kills the process on exit.
@@ -45,7 +47,7 @@ async def _serve() -> None:
         if words[:1] == [b"aborts"]:
             answer = [[a.at, a.ids] for a in record.aborts[int(words[1]):]]
         elif words == [b"closed"]:
-            answer = [g.request_id for g in record.generations if g.closed_at is not None]
+            answer = [g.request_id for g in record.generations if g.stopped_at is not None]
         print(json.dumps(answer), flush=True)
     await engine.stop()
 

@@ -129,8 +129,8 @@ async def cut_and_finish(engine: EngineProcess, cut: list[Stream],
     upstreams_closed = await engine.until(fetch_closed, lambda: cut_sidecar_ids <= closed,
                                           GUARD_S)
     assert upstreams_closed, (
-        f"expected the engine to see all {len(cut)} cut streams' upstream connections close "
-        f"within {GUARD_S} s; got {len(cut_sidecar_ids & closed)}")
+        f"expected the engine to stop all {len(cut)} cut streams (aborted, or their upstream "
+        f"connections closed) within {GUARD_S} s; got {len(cut_sidecar_ids & closed)}")
     async with asyncio.timeout(GUARD_S):
         bodies = await asyncio.gather(*reading)
     return Cut(bodies, cut_at, lag.worst(cut_at, last_abort), time.monotonic() - cut_at)
