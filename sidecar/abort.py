@@ -230,7 +230,6 @@ class _Queue:
     resends: list[tuple[float, int, _Resend]] = field(default_factory=list)  # heap by due
     resend_timer: asyncio.TimerHandle | None = None
     resend_at: float = 0.0  # time.monotonic() the timer is set for
-    multi_at: float = -MULTI_MEMORY_S  # several API-server processes seen then (MULTI_CALLS)
 
     def take(self, limit: int, *, resends: bool) -> tuple[tuple[str, ...], list[_Request]]:
         """Up to ``limit`` waiting ids, oldest first, first calls before re-sends (those only if
@@ -288,6 +287,8 @@ class Aborter:
         self._closed = False
         # Requests whose first call was answered, waiting for their engine's verdict.
         self._confirming: dict[_Request, EngineAdapter] = {}
+        # By engine origin: when one was last seen to have several API-server processes.
+        self._multi_at: dict[str, float] = {}
 
     def warm(self, engines: list[EngineAdapter]) -> None:
         """Open warm abort connections to each engine that aborts (at startup and after a
@@ -469,7 +470,8 @@ class Aborter:
                 copies = 1
                 if resend.confirming:  # wider each time: other abort connections, processes
                     copies = min(resend.width, settings.max_calls - resend.calls)
-                    if now >= resend.widen_from or now - queue.multi_at < MULTI_MEMORY_S:
+                    seen = self._multi_at.get(engine.base_url, -MULTI_MEMORY_S)
+                    if now >= resend.widen_from or now - seen < MULTI_MEMORY_S:
                         resend.width = min(resend.width * 2, settings.fanout)
                     resend.calls += copies
                 again = resend.pending = _Request(resend.ids, resend.sidecar_id, now, None,
@@ -554,14 +556,14 @@ class Aborter:
             for request in requests:
                 if not request.first and request.resend is not None:
                     request.resend.calls += copies - request.copies  # as made, not as planned
+            spread = [r.resend.tried for r in requests
+                      if r.resend is not None and r.resend.confirming]
             for copy in range(copies):
                 if copy:
                     for request in requests:
                         request.calls += 1
                 queue.in_flight += 1
                 self._in_flight += 1
-                spread = [r.resend.tried for r in requests
-                          if r.resend is not None and r.resend.confirming]
                 try:
                     pending: PendingCall | None = self._pool(engine).begin(
                         call.path, call.json, engine.abort_headers(),
@@ -714,7 +716,7 @@ class Aborter:
             resend.stopped = True
             if (verdict == CONFIRMED and resend.widen_from <= request.noticed_at
                     and resend.calls >= MULTI_CALLS):
-                self._queue(engine).multi_at = time.monotonic()
+                self._multi_at[engine.base_url] = time.monotonic()
         if request.answered:
             self._report(engine, request, _verdict_outcome(request.outcome or _OK, verdict))
 

@@ -51,9 +51,11 @@ UNCONFIRMED = "unconfirmed"
 # "finish_reason":{"type":"abort","message":"Aborted",...}; /v1/responses (0.5.20+) a failed
 # response whose error message is "Aborted"; an abort caught in the grammar queue an error
 # "Aborted by AbortReq.". A JSON encoder may put spaces after the colons.
+# vLLM's /v1/responses with a harmony model: the response's "status":"cancelled"
+# (openai/responses/serving.py); with other models an aborted response ends "completed", no mark.
 ABORT_MARK = re.compile(rb'"finish_reason"\s*:\s*(?:"abort"|\{\s*"type"\s*:\s*"abort")'
                         rb'|"message"\s*:\s*"Abort(?:ed|ed by AbortReq\.| in waiting queue'
-                        rb'| before prefill)"')
+                        rb'| before prefill)"|"status"\s*:\s*"cancelled"')
 _TAIL = 64  # bytes of the previous pieces kept, so a mark split over two pieces is found
 
 

@@ -325,8 +325,8 @@ async def test_response_that_is_not_background_is_still_aborted(
     assert stopped, f"expected the engine to stop the request, got {work}"
     await settle(servers.proxy_port)
     line = access.lines[sidecar_id]
-    assert (line["abort"], line["kept_by_engine"]) == ("accepted", None), (
-        f"expected abort accepted and no kept_by_engine, got {line}")
+    assert (line["abort"], line["kept_by_engine"]) == ("confirmed", None), (
+        f"expected abort confirmed and no kept_by_engine, got {line}")
 
 
 async def test_cancel_passes_through_to_the_engine(

@@ -18,7 +18,9 @@ engine, not by the sidecar's word. What each kind must show:
                               from ``abort_calls_total{outcome="http_403"}`` and ``/readyz`` 503
 ============================  ==============================================================
 
-Every case also checks: the upstream connection closed within ``GUARD_S``, the disconnect
+Every case also checks: the upstream connection closed within ``GUARD_S`` (for ``vllm`` and
+``sglang``, whose aborted responses end at once: the response ended, which is the sidecar's
+confirmation, :mod:`sidecar.confirm`), the disconnect
 counted with its phase, and a concurrent request on the same engine streamed to its end
 untouched. Production wiring throughout (``start_sidecar``: :func:`sidecar.server.start`, the
 ``AppRunner`` the CLI runs, handler cancellation on) and, in ``test_cli_*``, the real
@@ -173,11 +175,20 @@ async def check_stopped(stalls: Stalls, d: Deployment, victim: Work, at: float, 
     """What the kind promises after ``victim``'s client left at ``at``: see the module
     docstring's table."""
     fake, kind = d.fake, d.kind
-    await until(stalls, fake, lambda: victim.closed_at is not None,
-                "the upstream (engine) connection to close")
-    assert victim.closed_at is not None
-    closed = stalls.check("the upstream close", at, victim.closed_at)
-    note = f"upstream closed {ms(closed)}"
+    # A kind whose abort stops the work ends the response aborted (the sidecar reads that as the
+    # engine's confirmation, then releases the connection); a close-only one, or one that
+    # refuses the abort, sees its connection close.
+    if kind.calls and kind.stops:
+        await until(stalls, fake, lambda: victim.stopped_at is not None,
+                    "the engine to stop the work (aborted: the response ended)")
+        ended = victim.closed_at or victim.stopped_at
+    else:
+        await until(stalls, fake, lambda: victim.closed_at is not None,
+                    "the upstream (engine) connection to close")
+        ended = victim.closed_at
+    assert ended is not None
+    closed = stalls.check("the upstream end", at, ended)
+    note = f"upstream ended {ms(closed)}"
     if kind.calls:
         await until(stalls, fake, lambda: sorted(named(fake)) == sorted(victim.engine_ids),
                     f"abort calls naming {victim.engine_ids}")
