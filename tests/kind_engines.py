@@ -45,16 +45,17 @@ their last token un-aborted.
   in ``../shared/notes/cancellation-facts.md``, "vLLM with several API-server processes"): N
   processes share one listening socket and each TCP connection belongs to the one that
   accepted it, for its whole life. The fake picks it as it accepts the connection (aiohttp's
-  ``Server.connection_made``; kept per transport) by ``accept``: ``"random"`` (uniform, ``random.Random(seed)``),
-  ``"round_robin"``, ``"idle"`` (process k with probability proportional to
-  ``1 / (1 + running_k) ** 2``, ``running_k`` its works still running: a process busy
-  streaming accepts less often) or ``"least_connections"`` (the process with the fewest open
-  connections: what vLLM 0.32 does, ``entrypoints/launchers/launcher.py``, measured by
-  ``tests/e2e/probe_api_servers.py``; a request's own connection makes its owner the busiest,
-  so fresh connections go elsewhere), and records it in ``connections``. A request's ids belong to that process (``Work.process``), and an abort call
-  aborts only ids its own process owns; ids live or pending in another process are answered
-  200 and change nothing (``AbortCall.missed``, ``Work.missed``, ``missed``), as
-  ``AsyncLLM.abort`` drops ids it does not own. Ids pending in the call's own process, or not
+  ``Server.connection_made``; kept per transport) by ``accept``: ``"random"`` (uniform,
+  ``random.Random(seed)``), ``"round_robin"``, ``"idle"`` (process k with probability proportional
+  to ``1 / (1 + running_k) ** 2``, ``running_k`` its works still running: a process busy streaming
+  accepts less often) or ``"least_connections"`` (the process with the fewest open connections:
+  what vLLM 0.32 does, ``entrypoints/launchers/launcher.py``, measured by
+  ``tests/e2e/probe_api_servers.py``; a request's own connection makes its owner the busiest, so
+  fresh connections go elsewhere), and records it in ``connections``. A request's ids belong to
+  that process (``Work.process``), and an abort call aborts only ids its own process owns; ids
+  live or pending in another process are answered 200 and change nothing (``AbortCall.missed``,
+  ``Work.missed``, ``missed``), as ``AsyncLLM.abort`` drops ids it does not own. Ids pending in
+  the call's own process, or not
   seen at all, are ``ignored`` as above.
   ``end_on_abort=True`` ends an aborted response at once, as vLLM does: a stream with a final
   chunk whose ``finish_reason`` is ``"abort"`` then ``data: [DONE]``, a JSON answer with the
@@ -107,7 +108,8 @@ from sidecar.readiness import PROBE_PREFIX
 from tests.fake_engine import Watch
 
 LINGER_S = 10.0  # the longest an abortable engine goes on with a request whose connection closed
-ACCEPT_POLICIES = ("random", "round_robin", "idle", "least_connections")  # how a new connection picks its API server
+# how a new connection picks its API server
+ACCEPT_POLICIES = ("random", "round_robin", "idle", "least_connections")
 PROCESS = web.RequestKey("process", int)  # the API-server process that accepted a request's
 #                                           connection (set by KindEngine's first middleware)
 

@@ -27,10 +27,10 @@ from __future__ import annotations
 
 import asyncio
 import json
-from collections import Counter
 import logging
 import random
 import socket
+from collections import Counter
 from collections.abc import AsyncIterator, Callable
 from pathlib import Path
 from typing import Any
