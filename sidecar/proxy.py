@@ -441,10 +441,13 @@ class Exchange:
                     self.abort_plan(body) if plan is None else plan):
                 registered = streamed and once_streaming and len(ids) == 1
                 confirmation = None
+                # Not a JSON answer whose head came: the engine sends it once it generated it
+                # whole, so nothing is left to stop (one call, as before, and the close).
                 if (confirm and upstream is not None and engine.confirms
                         and self.confirmation is None and not upstream.complete
                         and engine.base_url == self.target.engine.base_url
-                        and engine.settings.abort.confirm_timeout_s > 0):
+                        and engine.settings.abort.confirm_timeout_s > 0
+                        and (self.upstream is None or self._response_phase() == "streaming")):
                     confirmation = self.confirmation = Confirmation(upstream)
                 self.aborter.abort(engine, ids, self.id, noticed_at, self.access,
                                    None if registered else noticed_at if later else body_sent_at,

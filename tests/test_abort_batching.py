@@ -8,7 +8,9 @@ those calls). Now ids of requests that disconnect together go out in a few large
 
 Clients are raw sockets, cut with a TCP reset (SO_LINGER 0 + ``transport.abort()``) all in the
 same event-loop turn; the engine is :mod:`tests.fake_engine` with ``abort_delay`` set. Run with
-``-s`` to see the numbers.
+``-s`` to see the numbers. The first calls' batching is the subject: confirmation (its re-sends
+until the engine ends each request, ``tests/test_confirmed_aborts.py``) is off here
+(``abort.confirm_timeout_s: 0``), so every id is named exactly once and ends ``accepted``.
 """
 
 from __future__ import annotations
@@ -119,7 +121,7 @@ async def until_aborted(engine: FakeEngine, stalls: Stalls, ids: list[str]) -> N
 async def test_disconnect_storm_aborts_every_request_in_few_calls(
         engine: FakeEngine, start_sidecar: Callable[..., Any], stalls: Stalls) -> None:
     engine.record.abort_delay = ABORT_DELAY_S
-    servers: Servers = await start_sidecar(sidecar_settings(engine.url))
+    servers: Servers = await start_sidecar(sidecar_settings(engine.url, confirm=False))
     port, admin = servers.proxy_port, servers.admin_port or 0
 
     run = await storm(port, stalls, CUT, COMPLETE)
@@ -152,7 +154,7 @@ async def test_disconnect_storm_aborts_every_request_in_few_calls(
 
 async def test_lone_disconnect_is_aborted_at_once(
         engine: FakeEngine, start_sidecar: Callable[..., Any], stalls: Stalls) -> None:
-    servers: Servers = await start_sidecar(sidecar_settings(engine.url))
+    servers: Servers = await start_sidecar(sidecar_settings(engine.url, confirm=False))
     client, engine_id = await open_stream(servers.proxy_port, stalls, "tokens=100000")
     reset(client)
     at = time.monotonic()
@@ -168,7 +170,7 @@ async def test_metrics_count_requests_and_calls_apart(
         engine: FakeEngine, start_sidecar: Callable[..., Any], stalls: Stalls) -> None:
     cut, complete = 120, 10
     engine.record.abort_delay = 0.3
-    servers: Servers = await start_sidecar(sidecar_settings(engine.url))
+    servers: Servers = await start_sidecar(sidecar_settings(engine.url, confirm=False))
     port, admin = servers.proxy_port, servers.admin_port or 0
 
     run = await storm(port, stalls, cut, complete)
@@ -206,7 +208,8 @@ async def test_calls_in_flight_are_bounded_and_the_slot_wait_is_not_timed(
     delay_s, timeout_s, extra = 0.8, 1.2, 4
     engine.record.abort_delay = delay_s
     engines = {"local": {"kind": "vllm", "url": engine.url, "abort": {"timeout_s": timeout_s,
-                                                                    "resend_window_s": 0}}}
+                                                                    "resend_window_s": 0,
+                                                                    "confirm_timeout_s": 0}}}
     servers: Servers = await start_sidecar(sidecar_settings(engine.url, engines=engines))
     port, admin = servers.proxy_port, servers.admin_port or 0
     waves = MAX_CALLS_PER_ENGINE + extra
@@ -259,7 +262,7 @@ async def test_request_with_more_ids_than_one_call_is_split_naming_each_once(
     prompts = 2 * MAX_IDS_PER_CALL + 276
     if chunk_fails:
         engine.record.abort_script = [200, 500]  # the second call to arrive fails
-    servers: Servers = await start_sidecar(sidecar_settings(engine.url))
+    servers: Servers = await start_sidecar(sidecar_settings(engine.url, confirm=False))
     port, admin = servers.proxy_port, servers.admin_port or 0
     reader, writer = await asyncio.open_connection("127.0.0.1", port)
     client = RawClient(reader, writer, stalls)

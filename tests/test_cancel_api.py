@@ -73,18 +73,19 @@ def access_line(caplog: pytest.LogCaptureFixture, request_id: str) -> dict[str, 
 
 
 async def aborted_once(engine: FakeEngine, expected: list[str], proxy_port: int) -> None:
-    """Exactly one abort call, naming exactly ``expected``; the generation's connection closed.
+    """Exactly one abort call, naming exactly ``expected``; the generation stopped (aborted: it
+    ended at once, the sidecar's confirmation; or its connection closed).
     "No second abort": none arrives within ``QUIET_S``, nor before a full request through the
     sidecar (the admin answer came after the handler unwound, so any abort had started)."""
     await asyncio.wait_for(engine.record.abort_event.wait(), WAIT_S)
-    await asyncio.wait_for(engine.record.closed_event.wait(), WAIT_S)
+    await asyncio.wait_for(engine.record.stopped_event.wait(), WAIT_S)
     engine.record.abort_event.clear()
     await no_event(engine.record.abort_event, QUIET_S)
     await settle(proxy_port)
     assert [a.ids for a in engine.record.aborts] == [expected], (
         f"expected one abort call with {expected}, got {[a.ids for a in engine.record.aborts]}")
-    closed = [g.closed_at is not None for g in engine.record.generations]
-    assert closed == [True], f"expected the one generation's connection closed, got {closed}"
+    stopped = [g.stopped_at is not None and not g.finished for g in engine.record.generations]
+    assert stopped == [True], f"expected the one generation stopped, got {stopped}"
 
 
 async def test_cancel_mid_stream_ends_sse_with_an_error_event(
@@ -124,7 +125,7 @@ async def test_cancel_mid_stream_ends_sse_with_an_error_event(
     assert values.get(("cancel_sidecar_requests_total", cancelled)) == 1.0, values
 
     expected = {"status": 200, "client_disconnected": False, "phase": "streaming",
-                "cancel_reason": "cancelled via API", "abort": "accepted"}
+                "cancel_reason": "cancelled via API", "abort": "confirmed"}
     line = access_line(caplog, request_id)
     got = {k: line[k] for k in expected}
     assert got == expected, f"expected the access line {expected}, got {got}"

@@ -92,7 +92,7 @@ async def test_deadline_mid_stream_ends_sse_with_an_error_event(
                  if n == "cancel_sidecar_cancelled_requests_total" and v]
     assert cancelled == [], f"a deadline is not a cancel API call, got {cancelled}"
     expected = {"status": 200, "client_disconnected": False, "phase": "streaming",
-                "cancel_reason": "deadline exceeded", "abort": "accepted"}
+                "cancel_reason": "deadline exceeded", "abort": "confirmed"}
     line = access_line(caplog, request_id)
     got = {k: line[k] for k in expected}
     assert got == expected, f"expected the access line {expected}, got {got}"
@@ -332,6 +332,7 @@ async def test_deadline_while_a_json_body_is_relayed_cuts_it_short(
     assert values.get(("cancel_sidecar_deadline_exceeded_total", labels)) == 1.0, values
     cancelled = frozenset({("route", "/"), ("status_class", "cancelled")})
     assert values.get(("cancel_sidecar_requests_total", cancelled)) == 1.0, values
+    # A JSON answer whose head came: generated whole already, nothing to confirm (accepted).
     expected = {"status": 200, "client_disconnected": False, "phase": "awaiting_response",
                 "cancel_reason": "deadline exceeded", "abort": "accepted",
                 "bytes_sent": len(response.body)}

@@ -27,7 +27,8 @@ ABORT_PATH = "/inference/v1/abort_requests"
 
 class RouteEngine:
     """Records bodies and aborts; ``/v1/responses`` streams until told to stop; ``/done_hold``
-    streams ``[DONE]`` and then holds back the end of the chunked body until released."""
+    streams ``[DONE]`` and then holds back the end of the chunked body until released. An abort
+    ends nothing here, so the sidecars in front run with ``confirm=False`` (closed at once)."""
 
     def __init__(self) -> None:
         self.bodies: list[dict[str, Any]] = []
@@ -105,7 +106,7 @@ def _sidecar_id(head: bytes) -> str:
 
 async def test_responses_body_request_id_is_overwritten_and_aborted(
         route_engine: RouteEngine, start_sidecar: Callable[..., Any]) -> None:
-    sidecar: Servers = await start_sidecar(sidecar_settings(route_engine.url))
+    sidecar: Servers = await start_sidecar(sidecar_settings(route_engine.url, confirm=False))
     body = json.dumps({"model": "m", "input": "héllo ☃", "stream": True,
                        "request_id": "resp_someone-elses-id"}).encode()
     reader, writer = await _post(sidecar.proxy_port, "/v1/responses", body,
@@ -129,7 +130,7 @@ async def test_responses_body_request_id_is_overwritten_and_aborted(
 async def test_responses_body_that_is_not_json_passes_unchanged(
         route_engine: RouteEngine, start_sidecar: Callable[..., Any]) -> None:
     """The engine rejects such a body itself; the sidecar must not fail or alter it."""
-    sidecar: Servers = await start_sidecar(sidecar_settings(route_engine.url))
+    sidecar: Servers = await start_sidecar(sidecar_settings(route_engine.url, confirm=False))
     reader, writer = await _post(sidecar.proxy_port, "/v1/responses", b"{not json")
     async with asyncio.timeout(5):
         status = (await reader.readuntil(b"\r\n")).split()[1]
@@ -142,7 +143,7 @@ async def test_responses_body_that_is_not_json_passes_unchanged(
 
 async def test_close_right_after_done_event_is_not_a_disconnect(
         route_engine: RouteEngine, start_sidecar: Callable[..., Any]) -> None:
-    sidecar: Servers = await start_sidecar(sidecar_settings(route_engine.url))
+    sidecar: Servers = await start_sidecar(sidecar_settings(route_engine.url, confirm=False))
     body = json.dumps({"messages": [], "stream": True}).encode()
     for _ in range(3):
         reader, writer = await _post(sidecar.proxy_port, "/v1/chat/completions", body)

@@ -24,6 +24,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from statistics import median
+from typing import Any
 
 import psutil
 import pytest
@@ -136,11 +137,20 @@ async def cut_and_finish(engine: EngineProcess, cut: list[Stream],
     return Cut(bodies, cut_at, lag.worst(cut_at, last_abort), time.monotonic() - cut_at)
 
 
+def no_confirmation(tree: dict[str, Any]) -> dict[str, Any]:
+    """``tree`` with ``abort.confirm_timeout_s: 0``: the first calls' batching is measured here,
+    each id named exactly once. With confirmation (the default) an id is also re-sent when the
+    engine's end of its stream is read later than its re-send is due, as in a storm; that storm
+    is ``tests/test_confirmed_aborts.py::test_storm_behind_8_processes_through_the_cli``."""
+    tree["engines"]["local"]["abort"]["confirm_timeout_s"] = 0
+    return tree
+
+
 async def test_storm_cuts_half_and_aborts_exactly_those(tmp_path: Path) -> None:
     cut_n, survive_n = N // 2, N - N // 2
     gate = asyncio.Semaphore(CONNECT_AT_ONCE)
     async with engine_process() as engine, \
-            sidecar_process(tmp_path, config_tree(engine.url)) as sidecar:
+            sidecar_process(tmp_path, no_confirmation(config_tree(engine.url))) as sidecar:
 
         async def opened(query: str, tag: str) -> Stream:
             async with gate:
