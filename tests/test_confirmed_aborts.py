@@ -14,8 +14,8 @@ at the engine (``Work``), never from the sidecar's logs.
   20 ms after the body) to mid-generation, with bystanders read to their end: every id stopped,
   none ran on, no bystander id ever named, calls per request within ``abort.max_calls``, every
   outcome ``confirmed``; with N > 1 some calls missed (the case exists) and were re-sent.
-- ``test_storm_behind_8_processes_through_the_cli``: 200 streams through ``python -m sidecar``,
-  100 reset at once: all 100 stopped, the other 100 byte-identical to their end.
+- ``test_storm_behind_8_processes_through_the_cli``: 400 streams through ``python -m sidecar``,
+  200 reset at once: all 200 stopped, the other 200 byte-identical to their end.
 - ``test_registration_race_confirmed_with_fewer_calls``: one process, ids registered 50 ms after
   the body, the client gone at once: confirmed, in fewer calls than the blind schedule of a
   2 s window (:func:`tests.support.max_calls`).
@@ -210,7 +210,7 @@ async def test_storm_behind_8_processes_through_the_cli(
     fakes.append(fake)
     tree = config_tree(fake.url, api_key=API_KEY, log_level="WARNING", engines={"local": {
         "kind": "vllm", "url": fake.url, "abort": {"api_key": API_KEY}}})
-    streams, tokens = 200, 60
+    streams, tokens = 400, 60
     async with cli_process(tmp_path, tree) as cli:
         await warm(fake)
         clients = []

@@ -16,9 +16,11 @@ until the response ends with ``"finish_reason":"abort"`` (``confirmed``) or
 Setup, per N in :data:`API_SERVER_COUNTS` (module-scoped, one engine at a time): the slow tiny
 model (``SLOW_MODEL_KWARGS``, ~100 tokens/s, so the API processes keep some CPU); vLLM through
 ``vllm serve --api-server-count N`` (:mod:`tests.e2e.vllm_serve`; N = 1 too, the same path) with
-``--enable-scale-out`` and :class:`~tests.e2e.hide_disconnect.HideDisconnectMiddleware` (vLLM
-never notices a disconnect: only an abort that reaches the owner stops a request); the sidecar's
-CLI in front with its default abort settings.
+``--enable-scale-out``, :class:`~tests.e2e.hide_disconnect.HideDisconnectMiddleware` (vLLM
+never notices a disconnect: only an abort that reaches the owner stops a request) and
+``VLLM_SERVER_DEV_MODE=1``, the last only for clean-up between cases (:func:`sweep`: what a
+failed case left running is aborted before the next starts); the sidecar's CLI in front with its
+default abort settings.
 
 Cases, one after the other, each client leaving with a RST (``SO_LINGER`` 0):
 
@@ -52,6 +54,7 @@ import socket
 import statistics
 import struct
 import time
+import urllib.request
 import uuid
 from collections.abc import Iterator
 from dataclasses import dataclass, field
@@ -134,7 +137,7 @@ def engine(request: pytest.FixtureRequest, model_dir: Path,
     log = tmp_path_factory.mktemp(f"vllm-{count}-api-servers") / "vllm.log"
     server = start_vllm_server(model_dir, max_model_len=MAX_MODEL_LEN, log_path=log,
                                middleware=[HIDE_DISCONNECT_MIDDLEWARE], api_server_count=count,
-                               startup_timeout=STARTUP_S)
+                               extra_env={"VLLM_SERVER_DEV_MODE": "1"}, startup_timeout=STARTUP_S)
     try:
         yield server
     finally:
@@ -150,11 +153,31 @@ def sidecar(engine: VLLMServer, tmp_path_factory: pytest.TempPathFactory
 
 @pytest.fixture(autouse=True)
 def idle_engine(engine: VLLMServer) -> None:
-    """Each case starts on an idle engine (a failed case before may have left work behind)."""
-    deadline = time.monotonic() + 30
+    """Each case starts on an idle engine: what a failed case left behind is aborted."""
+    sweep(engine)
+
+
+def sweep(engine: VLLMServer, guard_s: float = 60.0) -> int:
+    """Abort whatever vLLM still runs and return the calls that took (0: it was idle).
+
+    vLLM dev mode's ``POST /abort_requests`` without ids aborts every request the API process
+    that accepted the call tracks (``entrypoints/rl/online/api_router.py``); so, with several
+    processes, one call per fresh connection until ``/metrics`` shows nothing running or
+    waiting. Only clean-up after a failed case (a leak runs to MAX_TOKENS: a minute or more
+    here), never part of a case's proof."""
+    deadline = time.monotonic() + guard_s
+    calls = 0
     while (m := read_metrics(engine.base_url))["running"] or m["waiting"]:
-        assert time.monotonic() < deadline, f"expected an idle engine before the case, got {m}"
+        assert time.monotonic() < deadline, (
+            f"expected an idle engine within {guard_s}s of dev-mode aborts, got {m} after "
+            f"{calls} calls")
+        req = urllib.request.Request(f"{engine.base_url}/abort_requests", data=b"{}",
+                                     method="POST", headers={"Content-Type": "application/json"})
+        with urllib.request.urlopen(req, timeout=30) as r:
+            r.read()
+        calls += 1
         time.sleep(0.1)
+    return calls
 
 
 @pytest.fixture(scope="module")
@@ -179,8 +202,6 @@ Samples = dict[tuple[str, tuple[tuple[str, str], ...]], float]
 
 def sidecar_samples(sc: SidecarProcess) -> Samples:
     """Every sample of the sidecar's admin ``/metrics``, by name and sorted labels."""
-    import urllib.request
-
     with urllib.request.urlopen(f"{sc.admin_url}/metrics", timeout=5) as r:
         text = r.read().decode()
     return {(s.name, tuple(sorted(s.labels.items()))): s.value
