@@ -124,12 +124,12 @@ class Confirmation:
         self._timer = None
         if self.open:
             self._decide(UNCONFIRMED)
-            self.response.close()
 
     def _decide(self, verdict: str) -> None:
         self.verdict = verdict
         self.decided_at = time.monotonic()
         self._stop_timer()
+        self.response.close()  # a no-op for a response read to its end; never left open
         on_verdict, self._on_verdict = self._on_verdict, None
         if on_verdict is not None:
             on_verdict(verdict)

@@ -267,6 +267,8 @@ class UpstreamResponse:
         :class:`UpstreamProtocolError`, :class:`UpstreamReadTimeout`, or
         ``ConnectionResetError`` if the client is gone. Cancellation leaves the connection to
         :meth:`close`."""
+        if self.watcher is not None:  # the client left before the relay began: watched now
+            raise ConnectionResetError("the client left before its response was relayed")
         self.downstream = downstream
         downstream.upstream = self
         if pending := self.take_pending():
@@ -319,8 +321,8 @@ class UpstreamResponse:
         that the response ended."""
         if self.failure is None:
             self.failure = exc
-            if self.watcher is not None:
-                self.watcher.ended()
+            if self.watcher is not None and not isinstance(exc, ConnectionResetError):
+                self.watcher.ended()  # the engine's side ended (not a write to a gone client)
         if not self.head.done():
             self.head.set_exception(exc)
             self.head.exception()  # retrieved: a re-sent attempt may never await it

@@ -78,7 +78,8 @@ from tests.e2e.vllm_server import (
 
 # As tests/e2e/test_vllm_e2e.py: a failed test is run again, at most twice, and the failure
 # stays in the report ("R"): on this 2-core box vLLM's API processes or the test process stall
-# for ~2 s now and then. The first test of each N includes its engine start (~35-55 s).
+# for ~2 s now and then. A rerun that passes can hide an intermittent leak: the table keeps the
+# failed attempt's row (verdict FAIL). The first test of each N includes its engine start.
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(300), pytest.mark.flaky(reruns=2)]
 
 API_SERVER_COUNTS = (1, 2, 4)
