@@ -122,11 +122,16 @@ class Downstream:
         self.upstream: UpstreamResponse | None = None
 
     def write(self, piece: bytes) -> None:
-        """Relay one body piece. Raises ``ConnectionResetError`` if the client is gone, unless
-        :attr:`gone` (the proxy knows and tears the handler down in its turn): dropped then."""
+        """Relay one body piece. If the client is gone: dropped if :attr:`gone` (the proxy knows
+        and tears the handler down in its turn), else kept by the relaying response
+        (:meth:`UpstreamResponse.client_lost`: its parser stays whole, for a watcher that may
+        read on), or ``ConnectionResetError`` raised."""
         transport = self.transport
         if transport.is_closing():
             if self.gone:
+                return
+            if self.upstream is not None:
+                self.upstream.client_lost(piece)
                 return
             raise ConnectionResetError("the client's connection is closing")
         self.account(piece)
@@ -311,6 +316,15 @@ class UpstreamResponse:
             watcher.ended()
             return
         self.connection.resume_reading()
+
+    def client_lost(self, piece: bytes) -> None:
+        """A write found the client gone before the proxy knew: ``piece`` is kept (a watcher
+        may read on: :meth:`watch`), reading stops, and the relay fails with
+        ``ConnectionResetError``. Nothing is raised through the parser: llhttp accepts no more
+        bytes after a callback raised."""
+        self.pending.append(piece)
+        self.connection.pause_reading()
+        self.fail(ConnectionResetError("the client's connection is closing"))
 
     def resumed(self) -> None:
         self.reading_since = self.connection.loop.time()
