@@ -239,6 +239,15 @@ def sidecar_counter(sc: SidecarProcess, name: str, **labels: str) -> float:
                if s.name == name and all(s.labels.get(k) == v for k, v in labels.items()))
 
 
+def ended_by_engine(sc: SidecarProcess) -> float:
+    """Requests whose abort vLLM answered by ending them, read on their own upstream connection
+    (``sidecar.confirm``): ``confirmed`` (the response ended with ``finish_reason`` ``abort``)
+    plus ``finished`` (it ended without: vLLM ends a stream aborted before its first token with
+    ``data: [DONE]`` alone). Whether vLLM stopped is read at its /metrics, not here."""
+    return sum(sidecar_counter(sc, "cancel_sidecar_aborted_requests_total", outcome=outcome)
+               for outcome in ("confirmed", "finished"))
+
+
 def normalise(raw: bytes, object_id: str) -> bytes:
     """Replace what vLLM makes per request: ``"id":"<object_id>"`` (built from the request id:
     ``chatcmpl-{X-Request-Id}`` / ``cmpl-{X-Request-Id}``, ``openai/*/serving.py``) and
@@ -317,8 +326,7 @@ async def test_through_sidecar_disconnect_stops_generation(
         case: str, engine: VLLMServer, sidecar: SidecarProcess, model_dir: Path,
         sampler: MetricsSampler, results: dict[str, Any]) -> None:
     how = CASES[case][3]
-    aborts_before = sidecar_counter(sidecar, "cancel_sidecar_aborted_requests_total",
-                                    outcome="accepted")
+    aborts_before = ended_by_engine(sidecar)
     client = await start_generating(sidecar.base_url, model_dir, case, sampler)
     t0 = await client.disconnect(how)
     await sampler.wait_for(lambda s: s.running == 0 and s.waiting == 0, guard_s=20,
@@ -333,10 +341,9 @@ async def test_through_sidecar_disconnect_stops_generation(
     quiet = [s for s in sampler.snapshot() if s.t > time.monotonic() - QUIET_S]
     assert len({s.generation_tokens for s in quiet}) == 1, (
         f"expected no token counted in the last {QUIET_S}s, samples: {quiet[:2]}..{quiet[-2:]}")
-    aborts_after = sidecar_counter(sidecar, "cancel_sidecar_aborted_requests_total",
-                                    outcome="accepted")
+    aborts_after = ended_by_engine(sidecar)
     assert aborts_after == aborts_before + 1, (
-        f"expected the sidecar to abort exactly one request (its first call accepted; "
+        f"expected the sidecar to abort exactly one request (vLLM ended it: confirmed; "
         f"re-sends are counted apart), counter went "
         f"{aborts_before} -> {aborts_after}")
 
@@ -370,8 +377,7 @@ async def test_through_sidecar_every_generating_route_is_aborted(
         case: str, sidecar: SidecarProcess, model_dir: Path, sampler: MetricsSampler,
         results: dict[str, Any]) -> None:
     path, body, requests = ROUTE_CASES[case]
-    aborts_before = sidecar_counter(sidecar, "cancel_sidecar_aborted_requests_total",
-                                    outcome="accepted")
+    aborts_before = ended_by_engine(sidecar)
     client = await RawClient.post(sidecar.base_url, path, {"model": str(model_dir), **body})
     try:
         if body.get("stream"):
@@ -388,10 +394,9 @@ async def test_through_sidecar_every_generating_route_is_aborted(
     record(results, case, "sidecar", report, rate_before(sampler, t0))
     assert report.ms_to_idle is not None and report.ms_to_idle < STOP_GUARD_S * 1000, (
         f"expected running == 0 within {STOP_GUARD_S}s of the disconnect, got {report}")
-    aborts_after = sidecar_counter(sidecar, "cancel_sidecar_aborted_requests_total",
-                                    outcome="accepted")
+    aborts_after = ended_by_engine(sidecar)
     assert aborts_after == aborts_before + 1, (
-        f"expected the sidecar to abort exactly one request (its first call accepted; "
+        f"expected the sidecar to abort exactly one request (vLLM ended it: confirmed; "
         f"re-sends are counted apart), counter went "
         f"{aborts_before} -> {aborts_after}")
 
@@ -730,8 +735,7 @@ async def test_cancel_api_stops_a_streaming_request_on_vllm(
         results: dict[str, Any]) -> None:
     """The client stays connected and keeps reading; only the cancel API stops the request
     (vLLM never sees a disconnect here: without the sidecar's abort it would go on)."""
-    aborts_before = sidecar_counter(sidecar, "cancel_sidecar_aborted_requests_total",
-                                    outcome="accepted")
+    aborts_before = ended_by_engine(sidecar)
     client = await start_generating(sidecar.base_url, model_dir, "chat stream", sampler)
     try:
         request_id = client.headers["x-request-id"]
@@ -750,8 +754,7 @@ async def test_cancel_api_stops_a_streaming_request_on_vllm(
     report = await assert_engine_stopped(sampler, t0, results, "cancel API, chat stream",
                                          "the cancel call")
     print(f"cancel API answered in {answered_ms:.0f} ms; running == 0 at {report.ms_to_idle} ms")
-    aborts_after = sidecar_counter(sidecar, "cancel_sidecar_aborted_requests_total",
-                                    outcome="accepted")
+    aborts_after = ended_by_engine(sidecar)
     assert aborts_after == aborts_before + 1, (
         f"expected exactly one successful abort call, counter went {aborts_before} -> "
         f"{aborts_after}")
@@ -781,9 +784,8 @@ async def test_cancel_api_stops_a_non_streaming_request_on_vllm(
             assert body["error"]["type"] == "cancelled", body
             await assert_engine_stopped(sampler, t0, results, "cancel API, chat",
                                         "the cancel call")
-            aborts = sidecar_counter(sc, "cancel_sidecar_aborted_requests_total",
-                                     outcome="accepted")
-            assert aborts == 1, f"expected exactly one request aborted (accepted), got {aborts}"
+            aborts = ended_by_engine(sc)
+            assert aborts == 1, f"expected exactly one request ended by vLLM's abort, got {aborts}"
         finally:
             status_code = sc.stop()
         assert status_code == 0, f"expected exit 0 on SIGTERM, got {status_code}"
