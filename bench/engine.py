@@ -29,15 +29,17 @@ What it serves:
   open for the next request). Ids that name a stream of another process are misses: nothing
   changes (vLLM answers 200 all the same).
 - ``GET /bench/records``: JSON ``{"now": NS, "aborts": [[NS, [ids]]], "abort_processes":
-  [process], "closes": [[TAG, NS]], "stopped": {TAG: [NS, call]}, "owners": {TAG: process},
-  "request_ids": {TAG: X-Request-Id}, "events": total events sent, "api_servers": N,
-  "accepted": [connections per process], "abort_hits": N, "abort_misses": N}``.
-  ``abort_processes[i]``: the process that took ``aborts[i]``; ``closes``: a ``rec=1`` stream's
-  connection lost (while it ran: the engine's disconnect detection; or after an abort ended it:
-  the proxy closed the connection all the same); ``stopped``: a stream ended
-  by an abort, when its last event was written and the index in ``aborts`` of the call;
-  ``owners``: the process of each ``rec=1`` stream; ``abort_misses``: ids named on a process
-  other than their stream's. ``POST /bench/reset`` clears them. ``GET /health``: ``200``.
+  [process], "abort_connections": [number], "closes": [[TAG, NS]], "stopped": {TAG: [NS,
+  call]}, "owners": {TAG: process}, "request_ids": {TAG: X-Request-Id}, "events": total events
+  sent, "api_servers": N, "accepted": [connections per process], "abort_hits": N,
+  "abort_misses": N}``. ``abort_processes[i]``: the process that took ``aborts[i]``, and
+  ``abort_connections[i]`` the number of its connection (the engine numbers the connections it
+  accepts from 0); ``closes``: a ``rec=1`` stream's connection lost (while it ran: the engine's
+  disconnect detection; or after an abort ended it: the proxy closed the connection all the
+  same); ``stopped``: a stream ended by an abort, when its last event was written and the index
+  in ``aborts`` of the call; ``owners``: the process of each ``rec=1`` stream;
+  ``abort_misses``: ids named on a process other than their stream's. ``POST /bench/reset``
+  clears them. ``GET /health``: ``200``.
 
 Several API-server processes (``--api-servers N``, vLLM's ``vllm serve --api-server-count N``;
 ``../shared/notes/cancellation-facts.md``) are simulated in the one process behind the one port:
@@ -90,6 +92,7 @@ class Records:
     def reset(self) -> None:
         self.aborts: list[tuple[int, list[str]]] = []
         self.abort_processes: list[int] = []
+        self.abort_connections: list[int] = []
         self.closes: list[tuple[str, int]] = []
         self.stopped: dict[str, tuple[int, int]] = {}
         self.owners: dict[str, int] = {}
@@ -102,6 +105,7 @@ class Records:
     def as_json(self) -> bytes:
         return json.dumps({"now": time.monotonic_ns(), "aborts": self.aborts,
                            "abort_processes": self.abort_processes,
+                           "abort_connections": self.abort_connections,
                            "closes": self.closes, "stopped": self.stopped,
                            "owners": self.owners, "request_ids": self.request_ids,
                            "events": self.events, "api_servers": self.api_servers,
@@ -127,6 +131,7 @@ class Engine:
         self.records = Records(api_servers)
         self.servers = [ApiServer(k) for k in range(api_servers)]
         self._rng = random.Random(seed)
+        self.accepts = 0  # connections accepted so far: the next one's number
 
     def accept(self) -> ApiServer:
         """The process that accepts a new connection: the one with the fewest open connections,
@@ -199,6 +204,7 @@ class EngineProtocol(asyncio.Protocol):
         self.engine = engine
         self.records = engine.records
         self.server = engine.servers[0]
+        self.number = 0  # the engine's count of accepted connections when this one came
         self.transport: asyncio.Transport | None = None
         self.buf = b""
         self.head: tuple[str, str, dict[str, str]] | None = None
@@ -212,6 +218,8 @@ class EngineProtocol(asyncio.Protocol):
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         self.transport = cast(asyncio.Transport, transport)  # uvloop's is not a subclass
         self.server = self.engine.accept()
+        self.number = self.engine.accepts
+        self.engine.accepts += 1
 
     def connection_lost(self, exc: Exception | None) -> None:
         self.engine.closed(self.server)
@@ -294,6 +302,7 @@ class EngineProtocol(asyncio.Protocol):
         call = len(records.aborts)
         records.aborts.append((arrived, ids))
         records.abort_processes.append(self.server.index)
+        records.abort_connections.append(self.number)
         self.transport.write(_response("200 OK", b"{}"))
         live = self.server.live
         for engine_id in ids if isinstance(ids, list) else ():

@@ -200,8 +200,9 @@ def api_servers_table(storm: dict[str, Any]) -> list[str]:
             "stopped | client close -> the abort call that stopped it p50 / p99 / max, ms (n) | "
             "abort calls naming a closed stream p50 / p99 / max | ids named on their owner / "
             "on another process (all abort calls) | abort calls taken by each API-server "
-            "process | CPU s proxy, per storm |",
-            "|---|---|---|---|---|---|---|---|---|---|"]
+            "process | connections that carried them, per process, per storm | CPU s proxy, per "
+            "storm |",
+            "|---|---|---|---|---|---|---|---|---|---|---|"]
     order = ("sidecar", "nginx", "floor-raw", "floor-aiohttp")
     for interval, per in storm.items():
         paths = [p for p in per if _api_path(per[p])] + [p for p in order if p in per]
@@ -214,8 +215,16 @@ def api_servers_table(storm: dict[str, Any]) -> list[str]:
                         f"{_calls(s) if ours else '-'} | "
                         f"{s.get('abort_hits', 0)} / {s.get('abort_misses', 0)} | "
                         f"{' / '.join(map(str, s.get('calls_by_process', []))) or '-'} | "
+                        f"{_connections(s) if ours else '-'} | "
                         f"{_f(s['cpu_s'].get('proxy'))} |")
     return rows
+
+
+def _connections(s: dict[str, Any]) -> str:
+    """The distinct connections each API-server process took abort calls on, per storm
+    (``4/4/4/4; 3/5/4/4``)."""
+    storms = [c for c in s.get("connections_by_process", []) if c]
+    return "; ".join("/".join(map(str, c)) for c in storms) or "-"
 
 
 def targets(results: dict[str, Any]) -> list[tuple[str, str, bool | None]]:

@@ -521,6 +521,10 @@ def storm_figures(result: dict[str, Any], records: dict[str, Any]) -> dict[str, 
     by_process = [0] * records.get("api_servers", 1)
     for process in records.get("abort_processes", []):
         by_process[process] += 1
+    connections: list[set[int]] = [set() for _ in by_process]  # distinct, per process
+    for process, number in zip(records.get("abort_processes", []),
+                               records.get("abort_connections", []), strict=False):
+        connections[process].add(number)
     after = [len(r) for at, r in records["aborts"]
              if any(at >= c for c in closed.values())]
     return {"closed": len(closed), "open": result["open"], "errors": result["errors"],
@@ -535,6 +539,7 @@ def storm_figures(result: dict[str, Any], records: dict[str, Any]) -> dict[str, 
             "abort_hits": records.get("abort_hits", 0),
             "abort_misses": records.get("abort_misses", 0),
             "api_servers": records.get("api_servers", 1), "calls_by_process": by_process,
+            "connections_by_process": [len(c) for c in connections],
             "samples": {"abort_ms": abort_ms, "upstream_close_ms": close_ms, "hit_ms": hit_ms,
                         "stopped_ms": stopped_ms, "calls_per_request": calls},
             "summary": f"abort {spread(abort_ms)} upstream close {spread(close_ms)} stopped "
@@ -556,6 +561,7 @@ def pool_storms(storms: list[dict[str, Any]]) -> dict[str, Any]:
         pooled[key] = sum(s.get(key, 0) for s in storms)
     pooled["calls_by_process"] = [sum(c) for c in zip(*(s.get("calls_by_process", [0])
                                                          for s in storms), strict=True)]
+    pooled["connections_by_process"] = [s.get("connections_by_process") for s in storms]
     pooled["close_spread_ms"] = median([s["close_spread_ms"] for s in storms])
     pooled["cpu_s"] = {name: median([s["cpu_s"].get(name) or 0.0 for s in storms])
                        for name in storms[0]["cpu_s"]}

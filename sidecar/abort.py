@@ -96,12 +96,15 @@ RESEND_FIRST_S = 0.005  # the first re-send, after the first call; then doubling
 # owner: ../shared/notes/cancellation-facts.md); then doubling, as RESEND_FIRST_S.
 CONFIRM_WAIT_S = 0.01
 # How long an engine counts as having several API-server processes after a request it surely
-# knew needed MULTI_CALLS calls or more to be confirmed: its re-sends widen inside the
-# registration window too (else they widen only once the window closed: one process, many
-# calls naming an id still registering would be for nothing).
+# knew was confirmed only after MULTI_RESENDS re-sends or more: meanwhile its first calls go on
+# abort.fanout connections at once and its re-sends widen inside the registration window too
+# (else they widen only once the window closed: one process, many calls naming an id still
+# registering would be for nothing). One re-send is allowed for an end read late.
 MULTI_MEMORY_S = 60.0
-MULTI_CALLS = 3
+MULTI_RESENDS = 2
 RESEND_COALESCE_S = 0.002  # re-sends due this close together leave in one call
+HELD_WAIT_S = 0.005  # a due re-send waits this long again while its engine reads are held
+BOUND_EARLY_S = 0.002  # a confirmation's bound this close is reached (the loop's timers: 1 ms)
 # A batch of first calls waits for the next loop turn's flush at most this long: when a loop
 # turn is long (hundreds of clients leaving in it), the ids queued so far leave at once.
 FLUSH_AGE_S = 0.002
@@ -170,7 +173,7 @@ class _Request:
     outcome: str | None = None  # the first outcome that was not accepted, else accepted
     resend: _Resend | None = None  # its re-sends, if it ended inside the registration window
     first: bool = True  # False for a re-send: counted in no request-level metric
-    copies: int = 1  # a re-send: calls it makes at once, each on another abort connection
+    copies: int = 1  # calls it makes at once, each on another abort connection (confirming)
     confirmation: Confirmation | None = None  # the engine's word that the work stopped
     answered: bool = False  # its first call(s) ended; with a confirmation: awaiting the verdict
 
@@ -204,6 +207,7 @@ class _Resend:
     widen_from: float = 0.0
     width: int = 1
     calls: int = 1
+    resends: int = 0  # re-sends made (each of ``width`` calls)
 
     def advance(self, max_interval_s: float) -> bool:
         """Move to the next re-send; False once the one at ``until`` was made."""
@@ -289,6 +293,10 @@ class Aborter:
         self._confirming: dict[_Request, EngineAdapter] = {}
         # By engine origin: when one was last seen to have several API-server processes.
         self._multi_at: dict[str, float] = {}
+        # Confirmations by bound (time.monotonic()), and the one timer at the earliest.
+        self._bounds: list[tuple[float, int, Confirmation]] = []
+        self._bound_timer: asyncio.TimerHandle | None = None
+        self._bound_at = 0.0
 
     def warm(self, engines: list[EngineAdapter]) -> None:
         """Open warm abort connections to each engine that aborts (at startup and after a
@@ -321,6 +329,9 @@ class Aborter:
         connections closed, their outcome ``cancelled``) and close the abort connections (after
         the drain)."""
         self._closed = True
+        if self._bound_timer is not None:
+            self._bound_timer.cancel()
+        self._bounds.clear()
         for queue in self._queues.values():
             if queue.resend_timer is not None:
                 queue.resend_timer.cancel()
@@ -376,7 +387,13 @@ class Aborter:
                                                                  until),
                                      CONFIRM_WAIT_S, confirming=True,
                                      confirmation=confirmation, widen_from=known)
-            confirmation.arm(until, lambda verdict: self._verdict(engine, request, verdict))
+            if self._several(engine, noticed_at):
+                # Seen with several API-server processes: the first call goes at once on
+                # abort.fanout connections, as wide as a re-send would go by its fourth.
+                request.copies = request.resend.calls = request.resend.width = (
+                    engine.settings.abort.fanout)
+            confirmation.arm(lambda verdict: self._verdict(engine, request, verdict))
+            self._bound(until, confirmation)
         elif body_sent_at is not None and window_s > 0 and not self._closed:
             until = body_sent_at + window_s
             if until > noticed_at:
@@ -460,20 +477,30 @@ class Aborter:
         count = 0
         while queue.resends and queue.resends[0][0] <= now + RESEND_COALESCE_S:
             _, _, resend = heapq.heappop(queue.resends)
-            if resend.confirmation is not None:
+            if resend.confirmation is not None and not resend.stopped:
                 # The engine's answer may be read and held (sidecar.relay.ReadPacer: while
-                # clients leave, engine reads wait so that aborts go first): read it now.
+                # clients leave, engine reads wait so that aborts go first). While clients
+                # still leave, the re-send waits for the pacer to relay it (reading hundreds
+                # of ends here, in one step, would delay noticing the next clients' loss);
+                # once they stopped, it is read now, before deciding.
+                if resend.confirmation.held and now < resend.until:
+                    resend.due = min(now + HELD_WAIT_S, resend.until)
+                    heapq.heappush(queue.resends, (resend.due, next(self._order), resend))
+                    continue
                 resend.confirmation.read_held()
             if resend.stopped:
                 continue
             if resend.pending is None or resend.pending.unsent == 0:  # the last one went out
                 copies = 1
                 if resend.confirming:  # wider each time: other abort connections, processes
+                    several = self._several(engine, now)
+                    if several:
+                        resend.width = settings.fanout
                     copies = min(resend.width, settings.max_calls - resend.calls)
-                    seen = self._multi_at.get(engine.base_url, -MULTI_MEMORY_S)
-                    if now >= resend.widen_from or now - seen < MULTI_MEMORY_S:
+                    if now >= resend.widen_from or several:
                         resend.width = min(resend.width * 2, settings.fanout)
                     resend.calls += copies
+                    resend.resends += 1
                 again = resend.pending = _Request(resend.ids, resend.sidecar_id, now, None,
                                                   len(resend.ids), resend=resend, first=False,
                                                   copies=copies)
@@ -488,6 +515,36 @@ class Aborter:
         self._arm(queue)
         if queue.idle() and self._queues.get(engine) is queue:
             del self._queues[engine]
+
+    def _bound(self, until: float, confirmation: Confirmation) -> None:
+        """Expire ``confirmation`` at ``until`` (``time.monotonic()``): one timer for all of them
+        (a heap), set at the earliest and moved only when that gets earlier."""
+        heapq.heappush(self._bounds, (until, next(self._order), confirmation))
+        if self._bound_timer is not None:
+            if self._bound_at <= until:
+                return
+            self._bound_timer.cancel()
+        self._bound_at = until
+        self._bound_timer = asyncio.get_running_loop().call_later(
+            max(0.0, until - time.monotonic()), self._bounds_due)
+
+    def _bounds_due(self) -> None:
+        self._bound_timer = None
+        now = time.monotonic()
+        bounds = self._bounds
+        # Within a clock tick counts as due: a re-arm rounded to 0 ms would turn the loop
+        # without sleeping until the tick.
+        while bounds and bounds[0][0] <= now + BOUND_EARLY_S:
+            heapq.heappop(bounds)[2].expire()  # a no-op for one decided or closed already
+        if bounds:
+            until, _, confirmation = heapq.heappop(bounds)
+            self._bound(until, confirmation)
+
+    def _several(self, engine: EngineAdapter, now: float) -> bool:
+        """True if ``engine`` was seen with several API-server processes in the last
+        ``MULTI_MEMORY_S`` (:meth:`_verdict`)."""
+        seen = self._multi_at.get(engine.base_url)
+        return seen is not None and now - seen < MULTI_MEMORY_S
 
     def _make_room(self, queue: _Queue, request: _Request) -> bool:
         """Fit ``request`` into its engine's full queue; True if it now fits.
@@ -547,17 +604,19 @@ class Aborter:
             # A re-send spread over several abort connections (each may reach another of the
             # engine's API-server processes): the same call, once on each.
             # As many as the widest re-send asks, within every re-send's abort.max_calls.
+            confirming = [r for r in requests if r.resend is not None and r.resend.confirming]
             budget = min((engine.settings.abort.max_calls - r.resend.calls + r.copies
-                          for r in requests if not r.first and r.resend is not None),
+                          for r in confirming if r.resend is not None),
                          default=MAX_CALLS_PER_ENGINE)
             copies = max(1, min(max(r.copies for r in requests), budget,
                                 MAX_CALLS_PER_ENGINE - queue.in_flight,
                                 MAX_CONCURRENT_CALLS - self._in_flight))
-            for request in requests:
-                if not request.first and request.resend is not None:
+            for request in confirming:
+                if request.resend is not None:
                     request.resend.calls += copies - request.copies  # as made, not as planned
-            spread = [r.resend.tried for r in requests
-                      if r.resend is not None and r.resend.confirming]
+            # The connections the requests tried (none yet for a first call: the LRU then).
+            spread = [r.resend.tried for r in confirming if r.resend is not None]
+            choose = (functools.partial(_tried_by, spread) if any(spread) else None)
             for copy in range(copies):
                 if copy:
                     for request in requests:
@@ -567,7 +626,7 @@ class Aborter:
                 try:
                     pending: PendingCall | None = self._pool(engine).begin(
                         call.path, call.json, engine.abort_headers(),
-                        functools.partial(_tried_by, spread) if spread else None)
+                        choose)
                 except Exception:  # noqa: BLE001 - _post makes it again and reports the error
                     pending = None
                 if pending is not None and pending.conn is not None:
@@ -715,7 +774,7 @@ class Aborter:
         if resend is not None:
             resend.stopped = True
             if (verdict == CONFIRMED and resend.widen_from <= request.noticed_at
-                    and resend.calls >= MULTI_CALLS):
+                    and resend.resends >= MULTI_RESENDS):
                 self._multi_at[engine.base_url] = time.monotonic()
         if request.answered:
             self._report(engine, request, _verdict_outcome(request.outcome or _OK, verdict))

@@ -225,7 +225,8 @@ class AbortSettings(_Model):
     read, not relayed, until the engine ends the response: ``confirmed`` if it ended aborted,
     ``finished`` if it had ended on its own. Until then the ids are re-sent (whatever the
     registration window), each re-send on other abort connections than the last, the width
-    doubling from 1 to ``fanout`` calls, at most ``max_calls`` calls per request, because an
+    doubling from 1 to ``fanout`` calls (``fanout`` from the first call once the engine was seen
+    with several processes), at most ``max_calls`` calls per request, because an
     engine with several API-server processes (``vllm serve --api-server-count N``) ignores an
     abort that reaches another process than the owner's. ``connections``: warm abort connections
     kept per engine (each reaches one process: keep it at least twice the process count).

@@ -34,7 +34,6 @@ forge it, since JSON escapes its quotes (``\\"finish_reason\\"``).
 
 from __future__ import annotations
 
-import asyncio
 import re
 import time
 from collections.abc import Callable
@@ -62,14 +61,15 @@ _TAIL = 64  # bytes of the previous pieces kept, so a mark split over two pieces
 class Confirmation:
     """Watches one request's upstream response after its abort was queued, until a verdict.
 
-    Made by the proxy, armed by the aborter (:meth:`arm`: the bound and who hears the verdict),
-    then handed the response (:meth:`~sidecar.relay.UpstreamResponse.watch`). ``verdict`` is
-    ``None`` until then one of :data:`CONFIRMED`, :data:`FINISHED`, :data:`UNCONFIRMED`;
-    ``decided_at`` its ``time.monotonic()``. :meth:`close` gives up without a verdict (the abort
-    was refused, or the sidecar stops): the connection is closed at once.
+    Made by the proxy, armed by the aborter (:meth:`arm`: who hears the verdict; the aborter
+    calls :meth:`expire` at the bound), then handed the response
+    (:meth:`~sidecar.relay.UpstreamResponse.watch`). ``verdict`` is ``None`` until then one of
+    :data:`CONFIRMED`, :data:`FINISHED`, :data:`UNCONFIRMED`; ``decided_at`` its
+    ``time.monotonic()``. :meth:`close` gives up without a verdict (the abort was refused, or
+    the sidecar stops): the connection is closed at once.
     """
 
-    __slots__ = ("_on_verdict", "_tail", "_timer", "aborted", "decided_at", "paused",
+    __slots__ = ("_on_verdict", "_tail", "aborted", "decided_at", "paused",
                  "response", "verdict")
 
     def __init__(self, response: UpstreamResponse) -> None:
@@ -79,15 +79,13 @@ class Confirmation:
         self.aborted = False  # the abort mark was seen
         self.paused = False  # sidecar.relay.Watcher: nobody slow behind it
         self._tail = b""
-        self._timer: asyncio.TimerHandle | None = None
         self._on_verdict: Callable[[str], None] | None = None
 
-    def arm(self, until: float, on_verdict: Callable[[str], None]) -> None:
-        """Give up at ``until`` (``time.monotonic()``) as :data:`UNCONFIRMED`; ``on_verdict`` is
-        called once with the verdict (not after :meth:`close`)."""
+    def arm(self, on_verdict: Callable[[str], None]) -> None:
+        """``on_verdict`` is called once with the verdict (not after :meth:`close`). The bound
+        is the caller's: one timer for every confirmation (:class:`sidecar.abort.Aborter`),
+        not one each, since a storm's disconnects arm hundreds in a loop turn."""
         self._on_verdict = on_verdict
-        self._timer = asyncio.get_running_loop().call_later(
-            max(0.0, until - time.monotonic()), self._bound)
 
     @property
     def open(self) -> bool:
@@ -108,6 +106,12 @@ class Confirmation:
         if self.open:
             self._decide(CONFIRMED if self.aborted else FINISHED)
 
+    @property
+    def held(self) -> bool:
+        """True while what the engine sent waits in :class:`sidecar.relay.ReadPacer` because
+        clients are still leaving (:meth:`read_held` would do now what the pacer does soon)."""
+        return self.open and self.response.connection.reads_held
+
     def read_held(self) -> None:
         """Parse what the engine sent that the relay holds back while clients leave
         (:class:`sidecar.relay.ReadPacer`), before deciding to re-send: it may be the end."""
@@ -117,24 +121,17 @@ class Confirmation:
     def close(self) -> None:
         """Stop watching without a verdict and close the upstream connection now."""
         self._on_verdict = None
-        self._stop_timer()
         self.response.close()
 
-    def _bound(self) -> None:
-        self._timer = None
+    def expire(self) -> None:
+        """The bound was reached: :data:`UNCONFIRMED` if no verdict came (else nothing)."""
         if self.open:
             self._decide(UNCONFIRMED)
 
     def _decide(self, verdict: str) -> None:
         self.verdict = verdict
         self.decided_at = time.monotonic()
-        self._stop_timer()
         self.response.close()  # a no-op for a response read to its end; never left open
         on_verdict, self._on_verdict = self._on_verdict, None
         if on_verdict is not None:
             on_verdict(verdict)
-
-    def _stop_timer(self) -> None:
-        if self._timer is not None:
-            self._timer.cancel()
-            self._timer = None

@@ -447,7 +447,7 @@ class Exchange:
                         and self.confirmation is None and not upstream.complete
                         and engine.base_url == self.target.engine.base_url
                         and engine.settings.abort.confirm_timeout_s > 0
-                        and (self.upstream is None or self._response_phase() == "streaming")):
+                        and (self.upstream is None or phase == "streaming")):
                     confirmation = self.confirmation = Confirmation(upstream)
                 self.aborter.abort(engine, ids, self.id, noticed_at, self.access,
                                    None if registered else noticed_at if later else body_sent_at,
@@ -458,6 +458,8 @@ class Exchange:
                     self.downstream.gone = True
                 upstream.watch(self.confirmation)
                 self.upstream_finished = True  # the confirmation closes it
+                if close_later:  # a client left: the engines' reads wait, the aborts go first
+                    upstream.connection.pool.reads.hold()
                 return
         if close_later and self.aborting:
             self._stop_reading_upstream()

@@ -390,10 +390,13 @@ class ReadPacer:
     adds the next ones to them (never out of order); one whose held bytes pass
     ``MAX_HELD_BYTES`` is relayed at once (bounded memory); its ``connection_lost`` relays them
     first (the engine's last bytes, then its close). The streams that go on pay for it in
-    inter-token latency during the storm, a loop turn or a few per read.
+    inter-token latency during the storm, a loop turn or a few per read. Reads of a response
+    whose client left (read for an abort's confirmation: :mod:`sidecar.confirm`) wait for a
+    turn that no client left in: nobody waits for them, and hundreds of engine ends read
+    between the resets would delay the aborts of the clients still leaving.
     """
 
-    __slots__ = ("_handle", "_timer", "_waiting", "busy", "held_reads", "holding",
+    __slots__ = ("_handle", "_timer", "_waiting", "_watched", "busy", "held_reads", "holding",
                  "per_busy_turn", "per_turn", "until")
 
     def __init__(self, per_turn: int = 16, per_busy_turn: int = 2) -> None:
@@ -404,6 +407,9 @@ class ReadPacer:
         self.until = 0.0  # loop time at which holding ends, unless a client leaves again
         self.held_reads = 0  # reads held so far (not relayed as they arrived)
         self._waiting: deque[UpstreamConnection] = deque()
+        # Responses whose client left (sidecar.relay.Watcher: an abort's confirmation): nobody
+        # waits for their bytes, so they are relayed only in turns no client left in.
+        self._watched: deque[UpstreamConnection] = deque()
         self._handle: asyncio.Handle | None = None
         self._timer: asyncio.TimerHandle | None = None
 
@@ -420,7 +426,10 @@ class ReadPacer:
         if connection.queued:
             return
         connection.queued = True
-        self._waiting.append(connection)
+        if connection.watched:
+            self._watched.append(connection)
+        else:
+            self._waiting.append(connection)
         if self._handle is None:
             self._handle = asyncio.get_running_loop().call_soon(self._turn)
 
@@ -441,6 +450,7 @@ class ReadPacer:
                 timer.cancel()
         self._timer = self._handle = None
         self._waiting.clear()
+        self._watched.clear()
         self.holding = self.busy = False
 
     def _turn(self) -> None:
@@ -448,8 +458,8 @@ class ReadPacer:
         busy, self.busy = self.busy, False
         waiting = self._waiting
         budget = self.per_busy_turn if busy else self.per_turn
-        while waiting and budget > 0:
-            connection = waiting.popleft()
+        while budget > 0 and (waiting or (self._watched and not busy)):
+            connection = waiting.popleft() if waiting else self._watched.popleft()
             connection.queued = False
             try:
                 relayed = connection.relay_held()
@@ -460,7 +470,7 @@ class ReadPacer:
                 relayed = True
             if relayed:  # a connection with nothing held (closed meanwhile) costs nothing
                 budget -= 1
-        if waiting and self._handle is None:
+        if (waiting or self._watched) and self._handle is None:
             self._handle = asyncio.get_running_loop().call_soon(self._turn)
 
 
@@ -502,6 +512,19 @@ class UpstreamConnection(asyncio.Protocol):
         self.held_bytes += len(data)
         if self.held_bytes > MAX_HELD_BYTES:
             self.relay_held()
+
+    @property
+    def watched(self) -> bool:
+        """True if the response in flight is read for a watcher (its client left:
+        :meth:`UpstreamResponse.watch`), not relayed to a client."""
+        response = self.response
+        return response is not None and response.watcher is not None
+
+    @property
+    def reads_held(self) -> bool:
+        """True while engine reads of this connection wait in :class:`ReadPacer` because
+        clients are still leaving."""
+        return self._held is not None and self.pool.reads.holding
 
     def relay_held(self) -> bool:
         """Relay the reads :class:`ReadPacer` held, as one piece; False if none were held (or

@@ -19,6 +19,9 @@ at the engine (``Work``), never from the sidecar's logs.
 - ``test_registration_race_confirmed_with_fewer_calls``: one process, ids registered 50 ms after
   the body, the client gone at once: confirmed, in fewer calls than the blind schedule of a
   2 s window (:func:`tests.support.max_calls`).
+- ``test_first_call_fans_out_once_several_processes_seen`` (N = 1, 4): clients that leave one
+  after another; behind 4 processes, once a request needed 2 re-sends, every first call goes on
+  ``abort.fanout`` connections at once; behind one, one call per request.
 - ``test_unconfirmed_after_the_bound`` and ``test_finished_when_the_engine_ends_first``: the
   other two verdicts, their metric, WARNING and upstream close.
 """
@@ -301,6 +304,49 @@ async def test_registration_race_confirmed_with_fewer_calls(
     blind = max_calls(0.0, 2.0, 0.2)  # today's schedule over a 2 s window, for one id
     print(f"registration race: calls per request {counts} (blind re-sends: up to {blind})")
     assert max(counts) < blind - 2, f"expected fewer calls than the blind {blind}: {counts}"
+
+
+@pytest.mark.parametrize("processes", [1, 4])
+async def test_first_call_fans_out_once_several_processes_seen(
+        fakes: list[VLLMEngine], start_sidecar: Callable[..., Any], stalls: Stalls,
+        processes: int) -> None:
+    """Clients that leave one after another mid-generation. Behind 4 processes some first
+    calls miss, and a request confirmed only after 2 re-sends marks the engine as having
+    several processes: from then every first call goes at once on ``abort.fanout`` (8)
+    connections. Behind one process, never more than one call per request."""
+    fake, servers = await deploy(fakes, start_sidecar, processes)
+    fanned: list[str] = []
+    firsts: list[int] = []
+    for n in range(30):
+        tag = f"f{n}"
+        path, body, _ = ROUTES["chat-stream"]
+        async with raw_client(servers.proxy_port, stalls) as c:
+            c.send("POST", f"{path}?{GEN}", request_body({**body, "tag": tag}, True))
+            await stalls.wait(c.reader.readuntil(b"data:"), f"{tag}: its first event")
+            work = await _arrived(fake, stalls, tag)
+            c.disconnect("rst")
+        await stalls.wait(fake.watch.until(lambda w=work: not w.running, FOREVER),
+                          f"{tag} stopped", 5.0)
+        assert not work.ran_to_end, f"{tag} ran on: {work}"
+        engine_id = work.engine_ids[0]
+        naming = [c.at for c in fake.calls if engine_id in c.ids]
+        first = sum(at - naming[0] < 0.005 for at in naming)  # written in the same step
+        firsts.append(first)
+        if first > 1:
+            fanned.append(tag)
+        if len(fanned) >= 4:
+            break
+    print(f"[N={processes}] first calls per request, in order: {firsts}")
+    if processes == 1:
+        assert firsts == [1] * 30, f"one process: one first call each, got {firsts}"
+        return
+    assert fanned, f"the engine was never seen with several processes: {firsts}"
+    start = firsts.index(8)
+    assert start > 0 and firsts[:start] == [1] * start, (
+        f"expected single first calls until the engine was seen with several processes, "
+        f"then 8: {firsts}")
+    assert firsts[start:] == [8] * (len(firsts) - start), (
+        f"expected every first call from then on to fan out on 8 connections: {firsts}")
 
 
 async def _arrived(fake: VLLMEngine, stalls: Stalls, tag: str) -> Work:

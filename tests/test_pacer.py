@@ -145,11 +145,13 @@ class HeldReads:
     """Stands for an :class:`UpstreamConnection` with reads held: records their relay (or
     raises, if ``broken``) and its close."""
 
-    def __init__(self, name: str, done: list[str], broken: bool = False) -> None:
+    def __init__(self, name: str, done: list[str], broken: bool = False,
+                 watched: bool = False) -> None:
         self.name = name
         self.done = done
         self.broken = broken
         self.queued = False
+        self.watched = watched  # read for an abort's confirmation: its client left
 
     def relay_held(self) -> bool:
         if self.broken:
@@ -161,9 +163,9 @@ class HeldReads:
         self.done.append(f"{self.name} closed")
 
 
-def held(reads: ReadPacer, count: int, done: list[str], tag: str) -> None:
+def held(reads: ReadPacer, count: int, done: list[str], tag: str, watched: bool = False) -> None:
     for i in range(count):
-        reads.wait(cast(UpstreamConnection, HeldReads(f"{tag}-{i}", done)))
+        reads.wait(cast(UpstreamConnection, HeldReads(f"{tag}-{i}", done, watched=watched)))
 
 
 async def test_reads_wait_two_per_busy_turn_then_sixteen_per_quiet_turn() -> None:
@@ -179,6 +181,27 @@ async def test_reads_wait_two_per_busy_turn_then_sixteen_per_quiet_turn() -> Non
     assert seen == [2, 16, 16, 6, 0], (
         f"expected a busy turn (2 connections' reads), then quiet ones (16), got {seen}")
     assert done == [f"a-{i}" for i in range(40)], f"expected oldest first, got {done}"
+
+
+async def test_reads_for_a_confirmation_wait_for_a_quiet_turn() -> None:
+    """Reads of responses whose client left (an abort's confirmation reads them) are relayed
+    only in turns no client left in; the streams that go on keep their two per busy turn."""
+    reads = ReadPacer()
+    done: list[str] = []
+    held(reads, 20, done, "w", watched=True)
+    held(reads, 6, done, "a")
+    seen = []
+    for _ in range(3):
+        reads.hold()  # another client leaves before each turn
+        before = len(done)
+        await one_turn()
+        seen.append(done[before:])
+    assert seen == [["a-0", "a-1"], ["a-2", "a-3"], ["a-4", "a-5"]], (
+        f"expected only the live streams' reads, 2 per busy turn, got {seen}")
+    await one_turn()  # quiet: 16 of the watched
+    await one_turn()
+    assert done[6:] == [f"w-{i}" for i in range(20)], (
+        f"expected the watched reads in quiet turns, oldest first, got {done[6:]}")
 
 
 async def test_while_clients_keep_leaving_reads_wait_two_per_turn() -> None:
