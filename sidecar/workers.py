@@ -23,9 +23,15 @@ prints the same ready line as a single process.
 
 Signals: SIGTERM/SIGINT and SIGHUP are forwarded to every worker (each drains, or reloads the
 file, on its own); SIGHUP also reloads the supervisor's engines for ``/readyz``. The startup check
-(:mod:`sidecar.readiness`) runs here, once, not in the workers. Exit status: 0
-when every worker exited 0 after a stop; 1 if a worker died unexpectedly (the others are then
-stopped) or failed to start.
+(:mod:`sidecar.readiness`) runs here, once, not in the workers.
+
+A worker that dies unasked (SIGKILL, the OOM killer, a crash) is replaced at once: a new worker
+on the same port (SO_REUSEPORT), with a control socket of its own, while the others serve on
+untouched (as nginx's master, gunicorn's arbiter and uvicorn's supervisor do). Its requests are
+lost with it: their clients' connections were reset. ``MAX_DEATHS`` deaths within
+``DEATH_WINDOW_S`` are a crash loop: the others are stopped and the sidecar exits 1, as does a
+replacement that does not start. Exit status: 0 when every worker exited 0 after a stop; 1 after
+a crash loop or a worker that failed to start.
 
 Metrics: prometheus-client's multiprocess mode. ``PROMETHEUS_MULTIPROC_DIR`` is ``metrics/`` in
 the run directory; workers write their samples there, the admin
@@ -45,11 +51,15 @@ import signal
 import socket
 import sys
 import tempfile
-from collections.abc import Callable
+import time
+from collections import deque
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 from aiohttp import web
 from prometheus_client import CollectorRegistry, multiprocess
+from prometheus_client.core import CounterMetricFamily, Metric
+from prometheus_client.registry import Collector
 
 from sidecar.app import make_admin_app
 from sidecar.cancel import WorkerCanceller
@@ -62,6 +72,11 @@ from sidecar.tasks import TaskSet
 log = logging.getLogger(__name__)
 
 READY_S = 30.0  # how long a worker may take to start listening
+MAX_DEATHS = 5  # unasked worker deaths within DEATH_WINDOW_S: a crash loop, the sidecar stops
+DEATH_WINDOW_S = 60.0
+# How long after a worker's death an id no live worker has may have been one of its requests:
+# the cancel API answers 502 worker_unreachable for it meanwhile, then 404.
+DEAD_WORKER_S = 60.0
 SUPERVISOR_PID_ENV = "CANCEL_SIDECAR_SUPERVISOR_PID"  # set for workers: who must outlive them
 _PR_SET_PDEATHSIG = 1  # <linux/prctl.h>
 
@@ -117,6 +132,11 @@ class Supervisor:
         self.reload_config = reload
         self.procs: list[asyncio.subprocess.Process] = []
         self.controls: dict[int, Path] = {}  # worker pid -> its control socket
+        self.port = 0  # the proxy port every worker listens on
+        self.spawned = 0  # workers started so far (names their control sockets)
+        self.deaths: deque[float] = deque()  # time.monotonic() of unasked deaths, in the window
+        self.died_at: dict[int, float] = {}  # dead worker pid -> time.monotonic() of its death
+        self.replaced = 0  # workers replaced after an unasked death
         self.tasks = TaskSet()
         self.stopping = False
         self.failed = False
@@ -136,7 +156,7 @@ class Supervisor:
         return self.run_dir / f"worker-{n}.sock"
 
     async def _run(self) -> int:
-        longest = self._control_path(self.count)
+        longest = self._control_path(10 ** 6)  # room for a million replacements
         if self.settings.admin is not None and len(os.fsencode(longest)) > UNIX_PATH_MAX:
             log.error("the workers' control socket path %s is over the %d bytes a Unix socket "
                       "path may have: set TMPDIR to a shorter directory", longest, UNIX_PATH_MAX)
@@ -148,7 +168,7 @@ class Supervisor:
                       self.settings.listen.port, exc)
             return 1
         with reserved:
-            port = int(reserved.getsockname()[1])
+            port = self.port = int(reserved.getsockname()[1])
             if not await self._spawn_all(port):
                 await self._stop_workers()
                 return 1
@@ -192,29 +212,42 @@ class Supervisor:
 
     async def _spawn_all(self, port: int) -> bool:
         """Start every worker and wait until each listens on ``port``; False if one failed."""
-        for n in range(1, self.count + 1):
-            control = self._control_path(n)
-            # A control listener only for the admin listener's cancel API: none without one.
-            control_args = [] if self.settings.admin is None else [
-                "--worker-control", str(control)]
-            proc = await asyncio.create_subprocess_exec(
-                sys.executable, "-m", "sidecar", "--config", str(self.config),
-                "--worker-port", str(port), *control_args, *self.worker_args,
-                stdin=asyncio.subprocess.DEVNULL, stdout=asyncio.subprocess.PIPE,
-                env=self._worker_env())
-            self.procs.append(proc)
-            self.controls[proc.pid] = control
-        for proc in self.procs:
-            assert proc.stdout is not None
-            try:
-                line = (await asyncio.wait_for(proc.stdout.readline(), READY_S)).decode()
-            except TimeoutError:
-                line = ""
-            if not WORKER_READY.match(line.strip()):
-                log.error("worker %d did not start (printed %r, exit status %s)", proc.pid,
-                          line, proc.returncode)
+        for _ in range(self.count):
+            await self._spawn(port)
+        for proc in list(self.procs):
+            if not await self._ready(proc):
                 return False
-            self.tasks.spawn(self._relay_stdout(proc), name=f"stdout of worker {proc.pid}")
+        return True
+
+    async def _spawn(self, port: int) -> asyncio.subprocess.Process:
+        """Start one worker on ``port`` (not waiting for it to listen), with a control socket
+        of its own."""
+        self.spawned += 1
+        control = self._control_path(self.spawned)
+        # A control listener only for the admin listener's cancel API: none without one.
+        control_args = [] if self.settings.admin is None else ["--worker-control", str(control)]
+        proc = await asyncio.create_subprocess_exec(
+            sys.executable, "-m", "sidecar", "--config", str(self.config),
+            "--worker-port", str(port), *control_args, *self.worker_args,
+            stdin=asyncio.subprocess.DEVNULL, stdout=asyncio.subprocess.PIPE,
+            env=self._worker_env())
+        self.procs.append(proc)
+        self.controls[proc.pid] = control
+        return proc
+
+    async def _ready(self, proc: asyncio.subprocess.Process) -> bool:
+        """Wait until ``proc`` prints its ready line (then relay its stdout); False if it did
+        not within ``READY_S``."""
+        assert proc.stdout is not None
+        try:
+            line = (await asyncio.wait_for(proc.stdout.readline(), READY_S)).decode()
+        except TimeoutError:
+            line = ""
+        if not WORKER_READY.match(line.strip()):
+            log.error("worker %d did not start (printed %r, exit status %s)", proc.pid,
+                      line, proc.returncode)
+            return False
+        self.tasks.spawn(self._relay_stdout(proc), name=f"stdout of worker {proc.pid}")
         return True
 
     @staticmethod
@@ -230,6 +263,7 @@ class Supervisor:
         registry = CollectorRegistry()
         multiprocess.MultiProcessCollector(  # type: ignore[no-untyped-call]
             registry, path=str(self.metrics_dir))
+        registry.register(_Replacements(self))
         canceller = WorkerCanceller(self._live_controls)
         app = make_admin_app(runtimes, registry, canceller)
 
@@ -250,10 +284,15 @@ class Supervisor:
 
     def _live_controls(self) -> list[tuple[int, Path]]:
         """(pid, control socket) of every worker the cancel API must ask: those still running,
-        and those that died (non-zero status, e.g. SIGKILL by the OOM killer): such a worker
-        cannot answer, so an id found nowhere is 502, not 404 (it may have been one of the dead
-        worker's requests). A worker that exited 0 (drained after a stop) is done: skipped."""
-        return [(p.pid, self.controls[p.pid]) for p in self.procs if p.returncode != 0]
+        and those that died (non-zero status, e.g. SIGKILL by the OOM killer) in the last
+        ``DEAD_WORKER_S``: such a worker cannot answer, so an id found nowhere is 502, not 404
+        (it may have been one of the dead worker's requests). A worker that exited 0 (drained
+        after a stop), or died longer ago (its clients' connections were reset then), is
+        skipped."""
+        now = time.monotonic()
+        return [(p.pid, self.controls[p.pid]) for p in self.procs
+                if p.returncode is None or (p.returncode != 0 and now - self.died_at.get(
+                    p.pid, now) < DEAD_WORKER_S)]
 
     def _mark_dead(self, pid: int) -> None:
         """Drop an exited worker's live gauges (its counters still count)."""
@@ -266,7 +305,8 @@ class Supervisor:
 
     def _stop(self) -> None:
         if not self.stopping:
-            log.info("stopping: SIGTERM forwarded to %d worker(s)", self.count)
+            log.info("stopping: SIGTERM forwarded to %d worker(s)",
+                     sum(p.returncode is None for p in self.procs))
         self.stopping = True
         self._signal_workers(signal.SIGTERM)
 
@@ -287,18 +327,65 @@ class Supervisor:
             self._mark_dead(proc.pid)
 
     async def _reap(self) -> None:
-        """Wait for every worker to exit; one that exits unasked stops the others."""
+        """Wait for every worker to exit; one that exits unasked is replaced, unless it is the
+        ``MAX_DEATHS``-th within ``DEATH_WINDOW_S`` (a crash loop) or its replacement does not
+        start: then the others are stopped."""
         waits = {asyncio.ensure_future(p.wait()): p for p in self.procs}
         while waits:
             done, _ = await asyncio.wait(waits, return_when=asyncio.FIRST_COMPLETED)
             for future in done:
                 proc = waits.pop(future)
                 self._mark_dead(proc.pid)
-                if not self.stopping:
-                    log.error("worker %d exited unexpectedly (status %s); stopping the others",
-                              proc.pid, proc.returncode)
-                    self.failed = True
-                    self._stop()
-                elif proc.returncode != 0:
-                    log.error("worker %d exited with status %s", proc.pid, proc.returncode)
-                    self.failed = True
+                if self.stopping:
+                    if proc.returncode != 0:
+                        log.error("worker %d exited with status %s", proc.pid, proc.returncode)
+                        self.failed = True
+                    continue
+                replacement = await self._replace(proc)
+                if replacement is not None:
+                    waits[asyncio.ensure_future(replacement.wait())] = replacement
+
+    async def _replace(self, dead: asyncio.subprocess.Process
+                       ) -> asyncio.subprocess.Process | None:
+        """``dead`` exited unasked: start a replacement and wait until it listens; ``None``
+        (the others stopped, exit 1) in a crash loop or if the replacement did not start."""
+        now = time.monotonic()
+        self.died_at[dead.pid] = now
+        self.deaths.append(now)
+        while self.deaths and now - self.deaths[0] > DEATH_WINDOW_S:
+            self.deaths.popleft()
+        if len(self.deaths) >= MAX_DEATHS:
+            log.error("worker %d exited unexpectedly (status %s), the %d-th worker death within "
+                      "%.0f s: a crash loop; stopping the others", dead.pid, dead.returncode,
+                      len(self.deaths), DEATH_WINDOW_S)
+            self.failed = True
+            self._stop()
+            return None
+        log.error("worker %d exited unexpectedly (status %s); its in-flight requests are lost "
+                  "(their clients' connections were reset); starting a replacement", dead.pid,
+                  dead.returncode)
+        proc = await self._spawn(self.port)
+        if self.stopping:  # a stop came meanwhile: _stop signalled it (it is in self.procs)
+            return proc
+        if not await self._ready(proc):
+            self.failed = True
+            self._stop()
+            return proc
+        self.replaced += 1
+        log.warning("worker %d replaces worker %d on %s:%d (%d replaced since the start)",
+                    proc.pid, dead.pid, self.settings.listen.host, self.port, self.replaced)
+        return proc
+
+
+class _Replacements(Collector):
+    """``cancel_sidecar_workers_replaced_total``: the supervisor's own counter (the workers'
+    metrics come from their multiprocess files)."""
+
+    def __init__(self, supervisor: Supervisor) -> None:
+        self.supervisor = supervisor
+
+    def collect(self) -> Iterator[Metric]:
+        yield CounterMetricFamily(
+            "cancel_sidecar_workers_replaced", "Workers started to replace one that exited "
+            "unasked (SIGKILL, the OOM killer, a crash); --workers N only.",
+            value=self.supervisor.replaced)
