@@ -96,10 +96,27 @@ async def leave_mid_stream(base_url: str, model: Path, engine: VLLMServer, label
         say(f"{label}: still generating {WATCH_S:.0f} s after the client left; "
             "stopping it with an abort call of our own")
         await abort_directly(engine, "chatcmpl-demo-direct")
-    received = sum(1 for e in events if b'"content"' in e)
+    received = content_events(events)
     wasted = int(await settled_tokens(engine) - before) - received
     return Outcome(wasted, report.ms_to_idle if not report.running_at_end else None,
                    report.window_s)
+
+
+def content_events(events: list[bytes]) -> int:
+    """How many of the SSE ``data:`` lines ``events`` carry generated text: a chat chunk whose
+    ``choices[].delta.content`` is a non-empty string. vLLM's first chunk of a chat stream only
+    names the role (``"delta": {"role": "assistant", "content": ""}``,
+    ``vllm/entrypoints/openai/serving_chat.py``): no token, not counted; neither is ``[DONE]``.
+    Raises ``ValueError`` for a line that is not JSON."""
+    count = 0
+    for event in events:
+        payload = event.removeprefix(b"data: ").strip()
+        if payload == b"[DONE]":
+            continue
+        choices = json.loads(payload).get("choices") or []
+        if any((c.get("delta") or {}).get("content") for c in choices):
+            count += 1
+    return count
 
 
 async def run(model: Path, engine: VLLMServer, sidecar: SidecarProcess) -> None:

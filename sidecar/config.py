@@ -31,11 +31,13 @@ requests; listen, admin, log_level, log_format and ``downstream.idle_timeout_s``
 
 from __future__ import annotations
 
+import difflib
 import enum
 import ipaddress
 import logging
 import os
 import re
+import typing
 from collections.abc import Hashable, Mapping
 from pathlib import Path
 from typing import Annotated, Any, Literal
@@ -805,10 +807,13 @@ def parse_config(text: str, source: str = "<string>",
             if (loc in unset and err["input"] == "" and err["type"] != "extra_forbidden"):
                 continue
             if err["type"] == "extra_forbidden":  # a typo's value may be anything, a key too
-                problems.append(ConfigProblem(loc, _UNKNOWN_KEY))
+                problems.append(ConfigProblem(loc, _UNKNOWN_KEY + _did_you_mean(err["loc"])))
                 continue
             value = None if err["type"] == "missing" else _render_value(err["loc"], err["input"])
-            problems.append(ConfigProblem(loc, err["msg"].removeprefix("Value error, "), value))
+            message = err["msg"].removeprefix("Value error, ")
+            if err["type"] == "url_parsing" and "relative URL without a base" in message:
+                message += " (write the scheme too: http://HOST:PORT or https://HOST:PORT)"
+            problems.append(ConfigProblem(loc, message, value))
         problems.extend(cross_reference())
         problems.extend(_listener_clash(expanded))  # every problem, not only the model's
         raise ConfigError(source, _scrub(problems, secrets)) from exc
@@ -817,6 +822,35 @@ def parse_config(text: str, source: str = "<string>",
     if problems:
         raise ConfigError(source, _scrub(problems, secrets))
     return settings
+
+
+def _did_you_mean(loc: tuple[int | str, ...]) -> str:
+    """``"; did you mean 'routes'?"`` for an unknown key close to a key its section has
+    (:func:`difflib.get_close_matches`), else ``""``. The section is found by walking
+    :class:`Settings`' fields along ``loc`` (list indexes and mapping keys skipped)."""
+    model: type[BaseModel] | None = Settings
+    for part in loc[:-1]:
+        if model is None:
+            return ""
+        field = model.model_fields.get(str(part))
+        if field is None:
+            continue  # a list index or a mapping key (an engine's name): same model inside
+        model = _model_in(field.annotation)
+    if model is None:
+        return ""
+    close = difflib.get_close_matches(str(loc[-1]), list(model.model_fields), n=1, cutoff=0.75)
+    return f"; did you mean '{close[0]}'?" if close else ""
+
+
+def _model_in(annotation: Any) -> type[BaseModel] | None:
+    """The config model an annotation holds: itself, or inside Optional, list, dict or
+    Annotated; ``None`` for a plain value."""
+    if isinstance(annotation, type) and issubclass(annotation, BaseModel):
+        return annotation
+    for arg in typing.get_args(annotation):
+        if (found := _model_in(arg)) is not None:
+            return found
+    return None
 
 
 def _listener_clash(expanded: dict[str, Any]) -> list[ConfigProblem]:

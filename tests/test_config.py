@@ -566,3 +566,28 @@ async def test_reload_log_of_a_bad_config_shows_no_userinfo_no_unknown_value(
             assert located in line, f"expected a problem at {located}, got:\n{line}"
         for leak in RELOAD_LEAKS:
             assert leak not in cli.stderr, f"{leak} leaked on reload:\n{cli.stderr}"
+
+
+def test_a_misspelt_key_gets_the_close_key_of_its_section() -> None:
+    """Unknown keys name the key their own section has that is closest (top level, a section,
+    an engine inside the ``engines`` mapping, a route inside the list); none when nothing is
+    close; the value is still never shown."""
+    text = problems_of(
+        "rotues:\n  - prefix: /\n    engine: local\n    engnie: local\n"
+        "engines:\n  local:\n    kind: vllm\n    url: http://127.0.0.1:8000\n"
+        "    abrot: {}\n    zzz_secretish: hunter2\n"
+        "listen: {prot: 8080}\n")
+    assert "rotues: unknown key (value not shown); check its spelling and section; did you " \
+           "mean 'routes'?" in text, text
+    assert "listen.prot: unknown key" in text and "did you mean 'port'?" in text, text
+    assert "engines.local.abrot: unknown key" in text and "did you mean 'abort'?" in text, text
+    assert re.search(r"engines\.local\.zzz_secretish: unknown key \(value not shown\); "
+                     r"check its spelling and section$", text, re.M), text
+    assert "hunter2" not in text
+
+
+def test_an_engine_url_without_its_scheme_says_to_write_it() -> None:
+    text = problems_of("routes:\n  - prefix: /\n    engine: local\nengines:\n  local:\n"
+                       "    kind: vllm\n    url: 127.0.0.1:8000\n")
+    assert "engines.local.url: " in text and "(write the scheme too: http://HOST:PORT or " \
+           "https://HOST:PORT) (got '127.0.0.1:8000')" in text, text

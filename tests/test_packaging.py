@@ -83,3 +83,13 @@ def test_ci_runs_the_readme_llamacpp_command() -> None:
                      recipe.group(1), re.M), (
         f"expected the recipe to run tests/test_llamacpp.py and tests/test_llamacpp_native.py "
         f"with the built interpreter, got {recipe.group(1)!r}")
+
+
+def test_the_license_file_is_the_one_pyproject_names() -> None:
+    """``pyproject.toml`` says Apache-2.0: the repository ships that license's text."""
+    meta = (ROOT / "pyproject.toml").read_text()
+    assert re.search(r'^license = "Apache-2.0"$', meta, re.M), "pyproject names Apache-2.0"
+    text = (ROOT / "LICENSE").read_text()
+    assert text.lstrip().startswith("Apache License") and "Version 2.0, January 2004" in text
+    assert "TERMS AND CONDITIONS FOR USE, REPRODUCTION, AND DISTRIBUTION" in text
+    assert "[LICENSE](LICENSE)" in (ROOT / "README.md").read_text()
