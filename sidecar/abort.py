@@ -70,6 +70,7 @@ import logging
 import ssl
 import time
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from engine import AbortCall, EngineAdapter
@@ -218,6 +219,36 @@ class _Resend:
         return True
 
 
+class _EarliestTimer:
+    """One event-loop timer for many due times (``time.monotonic()``): set at the earliest and
+    moved only when that gets earlier, so a storm of aborts pushes its due times (re-sends,
+    confirmation bounds) without a timer each. The callback calls :meth:`fired` first."""
+
+    __slots__ = ("_at", "_handle")
+
+    def __init__(self) -> None:
+        self._handle: asyncio.TimerHandle | None = None
+        self._at = 0.0
+
+    def at_most(self, due: float, callback: Callable[[], None]) -> None:
+        """Run ``callback`` at ``due``, or earlier if the timer is already set earlier."""
+        if self._handle is not None:
+            if self._at <= due:
+                return
+            self._handle.cancel()
+        self._at = due
+        self._handle = asyncio.get_running_loop().call_later(
+            max(0.0, due - time.monotonic()), callback)
+
+    def fired(self) -> None:
+        self._handle = None
+
+    def cancel(self) -> None:
+        if self._handle is not None:
+            self._handle.cancel()
+            self._handle = None
+
+
 @dataclass(slots=True, eq=False)
 class _Queue:
     """One engine adapter's waiting requests and calls in flight."""
@@ -232,8 +263,7 @@ class _Queue:
     batch_since: float = 0.0  # time.monotonic() the first id waiting for the flush was queued
     flush_token: object = None  # the scheduled flush task's, so a stale done-callback is known
     resends: list[tuple[float, int, _Resend]] = field(default_factory=list)  # heap by due
-    resend_timer: asyncio.TimerHandle | None = None
-    resend_at: float = 0.0  # time.monotonic() the timer is set for
+    resend_timer: _EarliestTimer = field(default_factory=_EarliestTimer)
 
     def take(self, limit: int, *, resends: bool) -> tuple[tuple[str, ...], list[_Request]]:
         """Up to ``limit`` waiting ids, oldest first, first calls before re-sends (those only if
@@ -295,8 +325,7 @@ class Aborter:
         self._multi_at: dict[str, float] = {}
         # Confirmations by bound (time.monotonic()), and the one timer at the earliest.
         self._bounds: list[tuple[float, int, Confirmation]] = []
-        self._bound_timer: asyncio.TimerHandle | None = None
-        self._bound_at = 0.0
+        self._bound_timer = _EarliestTimer()
 
     def warm(self, engines: list[EngineAdapter]) -> None:
         """Open warm abort connections to each engine that aborts (at startup and after a
@@ -329,12 +358,10 @@ class Aborter:
         connections closed, their outcome ``cancelled``) and close the abort connections (after
         the drain)."""
         self._closed = True
-        if self._bound_timer is not None:
-            self._bound_timer.cancel()
+        self._bound_timer.cancel()
         self._bounds.clear()
         for queue in self._queues.values():
-            if queue.resend_timer is not None:
-                queue.resend_timer.cancel()
+            queue.resend_timer.cancel()
             queue.resends.clear()
         for request, engine in list(self._confirming.items()):
             assert request.confirmation is not None
@@ -456,20 +483,13 @@ class Aborter:
     def _arm(self, queue: _Queue) -> None:
         """One timer per engine, at its earliest re-send (moved only when that gets earlier:
         a storm of aborts pushes its re-sends without a timer each)."""
-        if not queue.resends:
-            return
-        due = queue.resends[0][0]
-        if queue.resend_timer is not None:
-            if queue.resend_at <= due:
-                return
-            queue.resend_timer.cancel()
-        queue.resend_at = due
-        queue.resend_timer = asyncio.get_running_loop().call_later(
-            max(0.0, due - time.monotonic()), self._resend_due, queue)
+        if queue.resends:
+            queue.resend_timer.at_most(queue.resends[0][0],
+                                       functools.partial(self._resend_due, queue))
 
     def _resend_due(self, queue: _Queue) -> None:
         """Queue every re-send due now (or within ``RESEND_COALESCE_S``) as one batch."""
-        queue.resend_timer = None
+        queue.resend_timer.fired()
         now = time.monotonic()
         engine = queue.engine
         settings = engine.settings.abort
@@ -520,16 +540,10 @@ class Aborter:
         """Expire ``confirmation`` at ``until`` (``time.monotonic()``): one timer for all of them
         (a heap), set at the earliest and moved only when that gets earlier."""
         heapq.heappush(self._bounds, (until, next(self._order), confirmation))
-        if self._bound_timer is not None:
-            if self._bound_at <= until:
-                return
-            self._bound_timer.cancel()
-        self._bound_at = until
-        self._bound_timer = asyncio.get_running_loop().call_later(
-            max(0.0, until - time.monotonic()), self._bounds_due)
+        self._bound_timer.at_most(until, self._bounds_due)
 
     def _bounds_due(self) -> None:
-        self._bound_timer = None
+        self._bound_timer.fired()
         now = time.monotonic()
         bounds = self._bounds
         # Within a clock tick counts as due: a re-arm rounded to 0 ms would turn the loop
@@ -537,8 +551,7 @@ class Aborter:
         while bounds and bounds[0][0] <= now + BOUND_EARLY_S:
             heapq.heappop(bounds)[2].expire()  # a no-op for one decided or closed already
         if bounds:
-            until, _, confirmation = heapq.heappop(bounds)
-            self._bound(until, confirmation)
+            self._bound_timer.at_most(bounds[0][0], self._bounds_due)
 
     def _several(self, engine: EngineAdapter, now: float) -> bool:
         """True if ``engine`` was seen with several API-server processes in the last
