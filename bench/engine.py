@@ -39,7 +39,8 @@ What it serves:
   same); ``stopped``: a stream ended by an abort, when its last event was written and the index
   in ``aborts`` of the call; ``owners``: the process of each ``rec=1`` stream;
   ``abort_misses``: ids named on a process other than their stream's. ``POST /bench/reset``
-  clears them. ``GET /health``: ``200``.
+  clears them. ``GET /health``: ``200``; ``GET /version``: ``200 {"version":"bench"}`` (what the
+  sidecar sends to keep an idle abort connection open).
 
 Several API-server processes (``--api-servers N``, vLLM's ``vllm serve --api-server-count N``;
 ``../shared/notes/cancellation-facts.md``) are simulated in the one process behind the one port:
@@ -287,6 +288,8 @@ class EngineProtocol(asyncio.Protocol):
             self.transport.write(_response("200 OK", b"{}"))
         elif path == "/health":
             self.transport.write(_response("200 OK", b""))
+        elif path == "/version":  # the sidecar keeps idle abort connections open with it
+            self.transport.write(_response("200 OK", b'{"version":"bench"}'))
         else:
             self.transport.write(_response("404 Not Found", b'{"error":"not found"}'))
         if self.stream is None and fields.get("connection", "").lower() == "close":

@@ -181,6 +181,10 @@ class EngineAdapter(abc.ABC):
     # SGLang's finish_reason "abort"): the proxy then reads that confirmation on the upstream
     # connection (sidecar.confirm) and re-sends the abort until it comes.
     confirms: ClassVar[bool] = False
+    # A cheap GET the engine answers in the API-server process that accepted the connection,
+    # touching no generation: keeps a confirmed kind's idle abort connections open past the
+    # engine's idle timeout (sidecar.abort_wire). None: they are replaced instead.
+    keepalive_path: ClassVar[str | None] = None
 
     def __init__(self, name: str, settings: EngineSettings) -> None:
         self.name = name

@@ -157,6 +157,9 @@ class SGLangAdapter(EngineAdapter):
     # An aborted request ends at once with finish_reason {"type": "abort", ...} (native) or
     # "abort" (OpenAI routes) (sidecar.confirm).
     confirms = True
+    # The model's info from the tokenizer manager, no generation (entrypoints/http_server.py;
+    # SGLang's native API docs).
+    keepalive_path = "/get_model_info"
     # Endpoints that abort work clients do not own: ``/abort_request`` (any rid, or
     # ``abort_all``), ``/pause_generation`` (``mode: abort`` aborts every request) and
     # ``/update_weight_version`` (``abort_all_requests``).

@@ -256,6 +256,8 @@ class VLLMAdapter(EngineAdapter):
     # (stream), or the partial output with that finish_reason (JSON) (v1/engine FinishReason.ABORT;
     # ../shared/notes/cancellation-facts.md, measured on vLLM 0.32 CPU).
     confirms = True
+    # A dict built in the API-server process (entrypoints/serve/instrumentator/basic.py).
+    keepalive_path = "/version"
     # Dev-mode (VLLM_SERVER_DEV_MODE=1) abort route: an empty list there aborts EVERY request.
     extra_forbidden_paths = frozenset({"/inference/v1/abort_requests", "/abort_requests"})
 

@@ -335,6 +335,7 @@ class Aborter:
                 self._warm.add(engine.base_url)
                 pool = self._pool(engine)
                 pool.size, pool.spread = _spread(engine)
+                pool.keep_alive(engine.keepalive_path, engine.abort_headers())
                 if not pool.warm:
                     pool.warm = True
                     pool.start()
@@ -345,6 +346,7 @@ class Aborter:
         if pool is None:
             size, spread = _spread(engine)
             pool = AbortPool(url, warm=url in self._warm, size=size, spread=spread)
+            pool.keep_alive(engine.keepalive_path, engine.abort_headers())
             pool.start()
             cold = [u for u in self._pools if u not in self._warm]
             if len(cold) >= MAX_COLD_POOLS:  # the least recently used

@@ -35,7 +35,13 @@ connection in turn. vLLM 0.32 gives each new connection to the API-server proces
 fewest open connections (``entrypoints/launchers/launcher.py``; measured by
 ``tests/e2e/probe_api_servers.py``: 16 connections held and opened one after another split
 8/8 over 2 processes, 4/4/4/4 over 4), so ``size`` warm connections reach every process of
-up to ``size / 2``.
+up to ``size / 2``. Those connections must then last: a connection opened later, while some
+processes hold many proxied streams, goes to the processes with the fewest connections, never to
+the busy owner of those streams. So a spread pool keeps exactly ``size`` connections of its own
+(``member``): one opened for a burst of calls beyond them is closed after its answer, and instead
+of being recycled an idle member is kept open by a cheap request (``keepalive``, e.g. vLLM's
+``GET /version``) every ``RECYCLE_S``, before the engine's idle timeout closes it. A member the
+engine closes anyway is reopened (a new accept race, as at startup).
 
 Only what an abort call needs: ``POST`` with a JSON body and the bearer key, a status back, the
 answer body read and dropped, never a redirect followed. Failures raise :class:`AbortWireError`
@@ -96,6 +102,7 @@ class AbortConnection(asyncio.Protocol):
         self.answer: asyncio.Future[int] | None = None  # the call in flight
         self.answered_any = False  # a reused connection: a loss before any answer is stale
         self.idle_since = 0.0
+        self.member = False  # one of a spread pool's ``size`` connections (module docstring)
         self._got_bytes = False
 
     # asyncio.Protocol
@@ -184,6 +191,9 @@ class AbortPool:
         # One TLS context for the pool's life (each recycle opens a connection).
         self._ssl = ssl.create_default_context() if self._secure else None
         self._idle: deque[AbortConnection] = deque()
+        self._members = 0  # a spread pool's own connections, idle or busy
+        # A spread pool's request that keeps an idle member open (see keep_alive), else None.
+        self.keepalive: bytes | None = None
         self._keeping = False  # the warm connection is being (re)opened
         self._closed = False
         self._loop = asyncio.get_running_loop()
@@ -226,13 +236,22 @@ class AbortPool:
         finally:
             self._keep_warm()
 
-    def _request(self, path: str, body: Any, headers: dict[str, str]) -> bytes:
-        payload = json.dumps(body, separators=(",", ":")).encode()
+    def keep_alive(self, path: str | None, headers: dict[str, str]) -> None:
+        """Keep a spread pool's idle members open with ``GET path`` (a cheap route the engine
+        answers in its API-server process: :attr:`EngineAdapter.keepalive_path`) every
+        ``RECYCLE_S`` instead of replacing them; ``None``: replace them."""
+        self.keepalive = None if path is None else self._request(path, None, headers, "GET")
+
+    def _request(self, path: str, body: Any, headers: dict[str, str],
+                 method: str = "POST") -> bytes:
         # Header values come from validated config (abort.api_key: no control characters).
-        lines = [f"POST {path} HTTP/1.1".encode(), b"Host: " + self._authority,
-                 b"Content-Type: application/json", b"Content-Length: %d" % len(payload),
-                 *(f"{k}: {v}".encode("latin-1") for k, v in headers.items())]
-        return b"\r\n".join(lines) + b"\r\n\r\n" + payload
+        head = [f"{method} {path} HTTP/1.1".encode(), b"Host: " + self._authority,
+                *(f"{k}: {v}".encode("latin-1") for k, v in headers.items())]
+        if body is None:
+            return b"\r\n".join(head) + b"\r\n\r\n"
+        payload = json.dumps(body, separators=(",", ":")).encode()
+        head += [b"Content-Type: application/json", b"Content-Length: %d" % len(payload)]
+        return b"\r\n".join(head) + b"\r\n\r\n" + payload
 
     def idle(self) -> bool:
         """True if a call :meth:`begin` starts now is written at once."""
@@ -266,8 +285,12 @@ class AbortPool:
         return conn
 
     def idle_again(self, conn: AbortConnection) -> None:
-        if self._closed or len(self._idle) >= max(MAX_IDLE, self.size):
-            conn.close()
+        if self.spread and not conn.member and not self._closed and self._members < self.size:
+            conn.member = True
+            self._members += 1
+        if self._closed or (not conn.member if self.spread
+                            else len(self._idle) >= max(MAX_IDLE, self.size)):
+            conn.close()  # a spread pool keeps its members only (module docstring)
             return
         conn.idle_since = self._loop.time()
         self._idle.append(conn)
@@ -277,21 +300,29 @@ class AbortPool:
     def lost(self, conn: AbortConnection) -> None:
         if conn in self._idle:
             self._idle.remove(conn)
+        if conn.member:
+            conn.member = False
+            self._members -= 1
         self._keep_warm()
 
     def _recycle(self) -> None:
-        """Replace idle connections older than ``RECYCLE_S``, before the engine drops them."""
+        """Keep alive (a spread pool with ``keepalive``) or replace (any other) the idle
+        connections older than ``RECYCLE_S``, before the engine drops them."""
         self._recycler = None
         now = self._loop.time()
         for conn in [c for c in self._idle if now - c.idle_since >= RECYCLE_S]:
             self._idle.remove(conn)
-            conn.close()  # its connection_lost reopens the warm one (a warm pool)
+            if conn.member and self.keepalive is not None:
+                # Answered, it is idle again (on_message_complete); lost, it is reopened.
+                conn.send(self.keepalive).add_done_callback(_consume)
+            else:
+                conn.close()  # its connection_lost reopens the warm one (a warm pool)
         if self._idle:
             oldest = min(c.idle_since for c in self._idle)
             self._recycler = self._loop.call_at(oldest + RECYCLE_S, self._recycle)
 
     def _keep_warm(self) -> None:
-        if not self.warm or self._closed or self._keeping or len(self._idle) >= self.size:
+        if not self.warm or self._closed or self._keeping or self._enough():
             return
         self._keeping = True
         # Not a TaskSet task: it lives as long as the pool (an unreachable engine is retried
@@ -301,7 +332,7 @@ class AbortPool:
 
     async def _reopen(self) -> None:
         try:
-            while not self._closed and len(self._idle) < self.size:
+            while not self._closed and not self._enough():
                 try:
                     conn = await self._open()
                 except (AbortWireError, ssl.SSLError) as exc:
@@ -315,6 +346,11 @@ class AbortPool:
         finally:
             self._keeping = False
 
+    def _enough(self) -> bool:
+        """True if the pool holds the connections it keeps: ``size`` members (spread), or
+        ``size`` idle ones (any other)."""
+        return (self._members if self.spread else len(self._idle)) >= self.size
+
     async def close(self) -> None:
         """Close every connection and stop keeping one warm."""
         self._closed = True
@@ -325,3 +361,10 @@ class AbortPool:
             await asyncio.gather(self._keeper, return_exceptions=True)
         while self._idle:
             self._idle.pop().close()
+
+
+def _consume(answer: asyncio.Future[int]) -> None:
+    """Retrieve a keep-alive request's outcome, which nobody awaits (a loss reopens the
+    connection, :meth:`AbortPool.lost`)."""
+    if not answer.cancelled():
+        answer.exception()

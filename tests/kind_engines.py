@@ -182,12 +182,15 @@ class ModelsRequest:
 class Connection:
     """One TCP connection as the engine's API servers saw it: the process that accepted it
     (chosen when it was accepted, kept for its life), when, its first request's path (``""``
-    until one came) and the client's address (``(host, port)``, ``None`` if it was gone)."""
+    until one came), the client's address (``(host, port)``, ``None`` if it was gone), when it
+    closed (``None`` while open) and the paths of its requests, in order."""
 
     process: int
     at: float
     path: str
     peer: tuple[str, int] | None
+    closed_at: float | None = None
+    paths: list[str] = field(default_factory=list)
 
 
 @dataclass
@@ -211,6 +214,8 @@ class KindEngine:
 
     kind: ClassVar[str]
     generating: ClassVar[tuple[str, ...]]
+    # The adapter's keepalive_path (engine/<kind>.py): answered, never counted as unknown.
+    keepalive_path: ClassVar[str | None] = None
     aborts: ClassVar[bool] = True  # the engine keeps a closed request running until aborted
 
     def __init__(self, api_key: str | None = None, *, registration_delay_s: float = 0.0,
@@ -252,6 +257,8 @@ class KindEngine:
             self.app.router.add_post(path, self.generate)
         self.app.router.add_get("/health", self.health)
         self.app.router.add_get("/v1/models", self.models)
+        if self.keepalive_path is not None:
+            self.app.router.add_get(self.keepalive_path, self.keepalive)
         self._add_abort_route()
         self.runner = web.AppRunner(self.app, handler_cancellation=True, access_log=None)
         self._tasks: set[asyncio.Task[None]] = set()
@@ -266,17 +273,19 @@ class KindEngine:
 
         lost = server.connection_lost
 
-        open_by: dict[int, int] = {}  # id(handler) -> its process, while open
+        open_by: dict[int, Connection] = {}  # id(handler) -> its connection, while open
 
         def accepted(handler: Any, transport: asyncio.Transport) -> None:
             # The process is chosen as the connection is accepted.
-            open_by[id(handler)] = self.connections[self._accept(transport)].process
+            open_by[id(handler)] = self.connections[self._accept(transport)]
             made(handler, transport)
 
         def gone(handler: Any, exc: BaseException | None) -> None:
-            process = open_by.pop(id(handler), None)
-            if process is not None:
-                self._open[process] -= 1
+            connection = open_by.pop(id(handler), None)
+            if connection is not None:
+                self._open[connection.process] -= 1
+                connection.closed_at = time.monotonic()
+                self.watch.changed()
             lost(handler, exc)
 
         server.connection_made = accepted  # type: ignore[method-assign]
@@ -327,6 +336,7 @@ class KindEngine:
         connection = self.connections[index]
         if not connection.path:
             connection.path = request.path
+        connection.paths.append(request.path)
         return connection.process
 
     def _accept(self, transport: Any) -> int:
@@ -523,6 +533,11 @@ class KindEngine:
     async def health(self, request: web.Request) -> web.Response:
         return web.Response(text="ok")
 
+    async def keepalive(self, request: web.Request) -> web.Response:
+        """``GET keepalive_path`` (vLLM's ``/version``, SGLang's ``/get_model_info``): a cheap
+        answer, recorded in its connection's ``paths``."""
+        return web.json_response({"version": "fake"})
+
     async def models(self, request: web.Request) -> web.Response:
         """``GET /v1/models``, after ``hold`` seconds; ``model_requests`` records each one."""
         seen = ModelsRequest(time.monotonic())
@@ -655,6 +670,7 @@ class VLLMEngine(KindEngine):
     generating = ("/v1/chat/completions", "/v1/chat/completions/batch", "/v1/completions",
                   "/inference/v1/generate", "/v1/audio/transcriptions", "/v1/audio/translations")
     abort_path = "/inference/v1/abort_requests"
+    keepalive_path = "/version"
 
     def __init__(self, api_key: str | None = None, *, scale_out: bool = True,
                  registration_delay_s: float = 0.0, prefill_only: bool = False,
@@ -710,6 +726,7 @@ class SGLangEngine(KindEngine):
     kind = "sglang"
     generating = ("/generate", "/v1/completions", "/v1/chat/completions", "/v1/responses")
     abort_path = "/abort_request"
+    keepalive_path = "/get_model_info"
 
     def __init__(self, api_key: str | None = None, *, registration_delay_s: float = 0.0,
                  prefill_only: bool = False, end_on_abort: bool = True) -> None:

@@ -22,6 +22,10 @@ at the engine (``Work``), never from the sidecar's logs.
 - ``test_first_call_fans_out_once_several_processes_seen`` (N = 1, 4): clients that leave one
   after another; behind 4 processes, once a request needed 2 re-sends, every first call goes on
   ``abort.fanout`` connections at once; behind one, one call per request.
+- ``test_abort_connections_last_through_idle_spells_and_bursts``: behind 8 processes that
+  give a new connection to the one with the fewest (vLLM 0.32), the 16 abort connections of
+  startup (2 per process) stay the same connections through idle spells (kept alive with
+  ``GET /version``) and a burst of 48 aborts (its extra connections closed after it).
 - ``test_unconfirmed_after_the_bound`` and ``test_finished_when_the_engine_ends_first``: the
   other two verdicts, their metric, WARNING and upstream close.
 """
@@ -35,6 +39,7 @@ import random
 import socket
 from collections import Counter
 from collections.abc import AsyncIterator, Callable
+from contextlib import AsyncExitStack
 from pathlib import Path
 from typing import Any
 
@@ -43,6 +48,7 @@ import pytest
 import pytest_asyncio
 import yaml
 
+from sidecar.abort_wire import RECYCLE_S
 from sidecar.config import parse_config
 from sidecar.server import Servers
 from tests.cli_process import cli_process, config_tree
@@ -347,6 +353,55 @@ async def test_first_call_fans_out_once_several_processes_seen(
         f"then 8: {firsts}")
     assert firsts[start:] == [8] * (len(firsts) - start), (
         f"expected every first call from then on to fan out on 8 connections: {firsts}")
+
+
+async def test_abort_connections_last_through_idle_spells_and_bursts(
+        fakes: list[VLLMEngine], start_sidecar: Callable[..., Any], stalls: Stalls) -> None:
+    """Behind 8 processes that give each new connection to the one with the fewest (vLLM
+    0.32), the 16 abort connections opened at startup reach every process (2 each). They must
+    last: a connection opened later, while some processes hold many streams, goes elsewhere
+    than those busy owners. Idle for two recycle periods, every one is still the same open
+    connection, kept alive by ``GET /version``; after a burst of 48 clients leaving at once,
+    still the same 16 (any connection opened for the burst's calls closed after it), and every
+    request stopped."""
+    fake, servers = await deploy(fakes, start_sidecar, 8)
+    members = [c for c in fake.connections[:16] if c.closed_at is None]
+    assert len(members) == 16 and not any(c.paths for c in members), (
+        f"expected the 16 abort connections first, unused: {fake.connections}")
+    assert Counter(c.process for c in members) == dict.fromkeys(range(8), 2), (
+        f"expected 2 abort connections per process at startup: {members}")
+    await asyncio.sleep(2 * RECYCLE_S + 1)
+    kept = [c for c in members if c.closed_at is None and "/version" in c.paths]
+    assert len(kept) == 16, (
+        f"expected all 16 abort connections kept open by GET /version over "
+        f"{2 * RECYCLE_S + 1:.0f} s idle, got {len(kept)}: {members}")
+
+    before = len(fake.connections)
+    tags = [f"b{n}" for n in range(48)]
+    path, body, _ = ROUTES["chat-stream"]
+    async with AsyncExitStack() as stack:
+        clients = [await stack.enter_async_context(raw_client(servers.proxy_port, stalls))
+                   for _ in tags]
+        for c, tag in zip(clients, tags, strict=True):
+            c.send("POST", f"{path}?{GEN}", request_body({**body, "tag": tag}, True),
+                   [("X-Request-Id", tag)])
+        works = [await _arrived(fake, stalls, tag) for tag in tags]
+        await stalls.wait(fake.watch.until(
+            lambda: all(w.engine_ids[0] in fake.live for w in works), 5.0), "all registered")
+        for c in clients:
+            c.disconnect("rst")
+        await stalls.wait(fake.watch.until(lambda: not any(w.running for w in works),
+                                           FOREVER), "every burst request stopped", 10.0)
+    ran_on = [w for w in works if w.ran_to_end]
+    assert not ran_on, f"{len(ran_on)} requests ran on: {ran_on[:3]}"
+    extra = [c for c in fake.connections[before:] if c.path == fake.abort_path]
+    await asyncio.sleep(0.2)  # the extra connections' close reaches the engine
+    print(f"burst: {len(extra)} abort connections opened beyond the 16, "
+          f"{sum(c.closed_at is None for c in extra)} still open")
+    gone = [c for c in members if c.closed_at is not None]
+    assert not gone, f"the burst closed {len(gone)} of the 16 abort connections: {gone}"
+    assert not [c for c in extra if c.closed_at is None], (
+        f"expected the connections opened for the burst closed after it: {extra}")
 
 
 async def _arrived(fake: VLLMEngine, stalls: Stalls, tag: str) -> Work:
