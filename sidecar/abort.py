@@ -433,6 +433,30 @@ class Aborter:
                                          RESEND_FIRST_S)
         self._enqueue(queue, request)
 
+    def abort_orphan(self, engine: EngineAdapter, ids: tuple[str, ...], sidecar_id: str,
+                     sent_at: float) -> None:
+        """Queue the abort of ``ids`` (non-empty) that a dead sidecar process started at
+        ``engine`` (:mod:`sidecar.inflight`); ``sent_at``: ``time.monotonic()`` when the engine
+        got the whole body. Nothing can confirm it (the request's upstream connection died with
+        that process): every call, the first and the re-sends until the registration window's
+        end (at least ``abort.resend_window_s`` from now: the engine may be registering it
+        still), goes at once on ``abort.fanout`` abort connections, so it reaches the owner
+        behind several API-server processes, within ``abort.max_calls``. Its outcome is that
+        of its first call (``accepted`` at best). Raises ``ValueError`` on an empty ``ids``."""
+        if not ids:
+            raise ValueError("refusing an empty id list: an engine may read it as 'abort all'")
+        now = time.monotonic()
+        settings = engine.settings.abort
+        request = _Request(ids, sidecar_id, now, None, len(ids))
+        if settings.resend_window_s > 0 and not self._closed:
+            until = max(now, sent_at) + settings.resend_window_s
+            wide = settings.fanout if engine.confirms else 1
+            request.resend = _Resend(ids, sidecar_id, until, min(now + RESEND_FIRST_S, until),
+                                     RESEND_FIRST_S, confirming=wide > 1, widen_from=now,
+                                     width=wide, calls=wide)
+            request.copies = wide
+        self._enqueue(self._queue(engine), request)
+
     def _queue(self, engine: EngineAdapter) -> _Queue:
         queue = self._queues.get(engine)
         if queue is None:

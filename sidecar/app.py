@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import logging
 from collections.abc import AsyncIterator, Awaitable, Callable
+from pathlib import Path
 from typing import cast
 
 import aiohttp
@@ -19,10 +20,24 @@ from aiohttp import hdrs, web
 from aiohttp.web_request import BaseRequest
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
 
+from engine import EngineAdapter
+from sidecar import inflight
 from sidecar.abort import Aborter
 from sidecar.cancel import Canceller, add_cancel_route, local_canceller
 from sidecar.config import Settings
-from sidecar.keys import ABORTER, EXCHANGES, METRICS, READINESS, REGISTRY, RUNTIME, SETTINGS, TASKS
+from sidecar.inflight import InflightRecord
+from sidecar.keys import (
+    ABORTER,
+    EXCHANGES,
+    METRICS,
+    READINESS,
+    RECORD,
+    RECOVERS,
+    REGISTRY,
+    RUNTIME,
+    SETTINGS,
+    TASKS,
+)
 from sidecar.metrics import Metrics, ReadinessMetrics
 from sidecar.proxy import Exchange, error_response, handle, refuse
 from sidecar.readiness import OK, Readiness
@@ -41,11 +56,16 @@ async def _engines_ctx(app: web.Application) -> AsyncIterator[None]:
     # Abort calls go over warm connections of their own (sidecar.abort_wire), opened now.
     app[ABORTER] = aborter = Aborter(tasks, app[METRICS])
     aborter.warm(list(runtimes.current.adapters.values()))
+    app[RECORD] = record = open_record(app[SETTINGS].lifecycle.record_dir,
+                                       runtimes.current.adapters, aborter, app[METRICS],
+                                       recover=app[RECOVERS])
     try:
         yield
     finally:
         await tasks.drain(ABORT_DRAIN_S)
         await asyncio.gather(runtimes.close(), aborter.close())
+        if record is not None:
+            record.close()
 
 
 def proxy_handler(app: web.Application) -> Callable[[BaseRequest], Awaitable[web.StreamResponse]]:
@@ -96,7 +116,30 @@ def reload(app: web.Application, settings: Settings) -> tuple[list[str], list[st
     return applied, ignored
 
 
-def make_app(settings: Settings, registry: CollectorRegistry) -> web.Application:
+def open_record(directory: Path | None, adapters: dict[str, EngineAdapter], aborter: Aborter,
+                metrics: Metrics, *, recover: bool) -> InflightRecord | None:
+    """This process's record of in-flight engine work in ``directory`` (``None``: none kept),
+    after aborting what dead processes left there (``recover``: not in a ``--workers`` worker,
+    whose supervisor does it). A directory that cannot be made or written is logged (ERROR)
+    and no record is kept: the sidecar serves on."""
+    if directory is None:
+        return None
+    try:
+        if recover:
+            for engine, count in inflight.recover(directory, adapters, aborter,
+                                                  "found at start").items():
+                metrics.recovered.labels(engine, "found_at_start").inc(count)
+        return InflightRecord.open(directory)
+    except OSError as exc:
+        log.error("lifecycle.record_dir %s cannot be used (%s): no record of in-flight requests "
+                  "is kept, so if this sidecar is killed its requests run on at the engine; "
+                  "make the directory writable for this user (or set lifecycle.record_dir)",
+                  directory, exc)
+        return None
+
+
+def make_app(settings: Settings, registry: CollectorRegistry, *,
+             recover: bool = True) -> web.Application:
     """The proxy application: its state, its startup and cleanup, and aiohttp's request
     settings; it has no routes: every method and path is served by :func:`proxy_handler`.
 
@@ -110,6 +153,7 @@ def make_app(settings: Settings, registry: CollectorRegistry) -> web.Application
                                         "max_line_size": MAX_HEADER_BYTES,
                                         "auto_decompress": False})
     app[SETTINGS] = settings
+    app[RECOVERS] = recover
     app[REGISTRY] = registry
     app[METRICS] = Metrics(registry)
     app[EXCHANGES] = {}

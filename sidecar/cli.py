@@ -104,7 +104,8 @@ async def _serve(settings: Settings, config: Path, worker_port: int | None = Non
     worker = worker_port is not None
     try:
         servers = await server.start(settings, port=worker_port, reuse_port=worker,
-                                     admin=not worker, control=worker_control)
+                                     admin=not worker, control=worker_control,
+                                     recover=not worker)
     except OSError as exc:  # bind/resolve errors name the address: "[Errno 98] ... ('h', p)"
         admin = settings.admin
         where = f"listen {settings.listen.host}:{settings.listen.port}, admin " + (

@@ -21,7 +21,7 @@ Shape (see ``config/sidecar.yaml`` for the commented reference)::
                                                  {header, engine, allow, ports}, one more engine
                                                  per request, named by a request header (llm-d's
                                                  prefill pod); max_duration_s: a request's deadline
-    lifecycle: {grace_period_s}                  how long a stop waits for in-flight requests
+    lifecycle: {grace_period_s, record_dir}      how a stop waits; where in-flight work is recorded
     tunnel:   {idle_timeout_s, max_bytes}        Connection: Upgrade sessions (sidecar.tunnel)
 
 A running sidecar re-reads the file on SIGHUP (see :mod:`sidecar.runtime`): engines, routes,
@@ -423,9 +423,27 @@ class LifecycleSettings(_Model):
     refused; what is still running then is cancelled (upstream closed, engine aborted), and the
     abort calls get up to a further ``engines.*.abort.timeout_s``. The orchestrator's kill
     deadline (Kubernetes: ``terminationGracePeriodSeconds``) must exceed the sum.
+
+    ``record_dir``: the directory of the record of in-flight engine work that a killed sidecar
+    process leaves to abort (:mod:`sidecar.inflight`; default :func:`default_record_dir`);
+    ``null`` keeps no record (a killed sidecar then leaves its requests running). Made if
+    missing; read at the start (what a dead sidecar left is aborted before the proxy listens)
+    and when a ``--workers`` worker dies. Needs a restart to change.
     """
 
     grace_period_s: Seconds = 30.0
+    record_dir: Path | None = Field(default_factory=lambda: default_record_dir())
+
+
+def default_record_dir() -> Path:
+    """Where the record of in-flight engine work goes (:mod:`sidecar.inflight`) unless
+    ``lifecycle.record_dir`` says: ``$XDG_STATE_HOME/cancel-sidecar`` (XDG's place for state
+    that outlives a restart), else ``~/.local/state/cancel-sidecar``. The image sets
+    ``XDG_STATE_HOME=/var/lib`` (a directory its user owns; mount a volume there to survive a
+    container restart)."""
+    state = os.environ.get("XDG_STATE_HOME") or os.path.join(os.path.expanduser("~"), ".local",
+                                                            "state")
+    return Path(state) / "cancel-sidecar"
 
 
 class TunnelSettings(_Model):
@@ -458,7 +476,8 @@ class Settings(_Model):
     upstream: UpstreamSettings = UpstreamSettings()
     engines: Annotated[dict[str, EngineSettings], Field(min_length=1)]
     routes: Annotated[list[RouteSettings], Field(min_length=1)]
-    lifecycle: LifecycleSettings = LifecycleSettings()
+    # A factory: lifecycle.record_dir's default reads the environment when the config is read.
+    lifecycle: LifecycleSettings = Field(default_factory=LifecycleSettings)
     tunnel: TunnelSettings = TunnelSettings()
     log_level: LogLevel = "INFO"
     log_format: LogFormat = "json"

@@ -9,6 +9,7 @@ from prometheus_client import CollectorRegistry
 
 from sidecar.abort import Aborter
 from sidecar.config import Settings
+from sidecar.inflight import InflightRecord
 from sidecar.metrics import Metrics
 from sidecar.tasks import TaskSet
 
@@ -23,6 +24,11 @@ REGISTRY = web.AppKey("registry", CollectorRegistry)
 METRICS = web.AppKey("metrics", Metrics)
 TASKS = web.AppKey("tasks", TaskSet)
 ABORTER = web.AppKey("aborter", Aborter)
+# False in a --workers worker: its supervisor aborts what dead processes left (sidecar.inflight).
+RECOVERS = web.AppKey("recovers", bool)
+# This process's record of in-flight engine work (sidecar.inflight); None: no record kept
+# (lifecycle.record_dir null, or its directory cannot be written).
+RECORD: web.AppKey[InflightRecord | None] = web.AppKey("record")
 # The current config generation (settings, adapters, router, upstream sessions) and the
 # in-flight count: sidecar.runtime. Each request reads it once, in app._proxy.
 RUNTIME: web.AppKey[Runtimes] = web.AppKey("runtime")

@@ -61,6 +61,7 @@ import json
 import logging
 import sys
 import time
+from collections.abc import Callable
 from datetime import UTC, datetime
 from typing import Any, Literal
 
@@ -142,7 +143,7 @@ class RequestLog:
     """
 
     __slots__ = ("_abort", "_abort_latency", "_cancel_reason", "_fields", "_kept", "_pending",
-                 "_started")
+                 "_started", "over")
 
     # The extra fields of an upgraded connection's line (module docstring), in order.
     TUNNEL_FIELDS = ("upgrade", "bytes_received", "closed_by", "close_reason")
@@ -159,6 +160,9 @@ class RequestLog:
         }
         self._cancel_reason: str | None = None
         self._kept: str | None = None
+        # Called once when the request is over (the line's moment), whether or not it is
+        # logged: the record of in-flight work writes its end (sidecar.inflight).
+        self.over: Callable[[], None] | None = None
 
     def abort_started(self) -> None:
         """An abort call for this request started; the line waits for its outcome."""
@@ -201,6 +205,8 @@ class RequestLog:
 
     def _release(self) -> None:
         self._pending -= 1
+        if self._pending == 0 and self.over is not None:
+            self.over()
         if self._pending == 0 and access_log.isEnabledFor(logging.INFO):
             fields = self._fields
             fields["abort"] = self._abort

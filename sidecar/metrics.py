@@ -81,6 +81,12 @@ class Metrics:
             "after its retries); dropped (the engine's abort queue was full, never sent); "
             "cancelled (the sidecar stopped first). Re-sends are not counted here.",
             ["engine", "outcome"], registry=registry)
+        self.recovered = Counter(
+            "cancel_sidecar_recovered_requests",
+            "Requests a dead sidecar process left running at an engine, aborted on its behalf "
+            "(sidecar.inflight): reason worker_died (by the supervisor, --workers) or "
+            "found_at_start (by the next start, before it listens).",
+            ["engine", "reason"], registry=registry)
         self.unabortable = Counter(
             "cancel_sidecar_unabortable_requests_total",
             "Requests that ended early (client disconnect, cancel API, deadline, shutdown, "

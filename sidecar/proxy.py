@@ -32,6 +32,7 @@ asked, or the client's connection is lost or closing).
 from __future__ import annotations
 
 import asyncio
+import functools
 import json
 import logging
 import math
@@ -66,7 +67,8 @@ from sidecar.headers import (
     unsupported_transfer_coding,
     upstream_request_headers,
 )
-from sidecar.keys import ABORTER, EXCHANGES, METRICS
+from sidecar.inflight import InflightRecord
+from sidecar.keys import ABORTER, EXCHANGES, METRICS, RECORD
 from sidecar.logs import RequestLog
 from sidecar.metrics import Metrics
 from sidecar.relay import Downstream, UpstreamResponse
@@ -159,12 +161,17 @@ class Exchange:
     """One request's state across the downstream/upstream race."""
 
     def __init__(self, request: web.Request, runtime: Runtime, target: RouteTarget,
-                 aborter: Aborter, metrics: Metrics, target_path: str) -> None:
+                 aborter: Aborter, metrics: Metrics, target_path: str,
+                 record: InflightRecord | None = None) -> None:
         self.target_path = target_path  # origin-form path and query for the upstream
         self.runtime = runtime
         self.request = request
         self.target = target
         self.aborter = aborter
+        # The record of in-flight engine work (sidecar.inflight): this request's line number
+        # in it once its body went whole upstream (0: none).
+        self.record = record
+        self.record_seq = 0
         self.metrics = metrics
         self.id = uuid.uuid4().hex
         self.body: RequestBody | None = None
@@ -193,6 +200,8 @@ class Exchange:
         # that a disconnect only queues it; None: derived at the disconnect (abort_plan).
         self.prepared: list[AbortStep] | None = None
         self.prepared_phase = "streaming"  # with prepared: the phase once the body went whole
+        self._plan: list[AbortStep] | None = None  # _derived_plan's, once derived
+        self._planned = False
         self.access = RequestLog(self.id, request.method, request.path, target.prefix,
                                  target.engine.name, request.headers.get(REQUEST_ID))
 
@@ -286,6 +295,7 @@ class Exchange:
             downstream.account(first)
         if upstream.complete:
             self.upstream_finished = True
+            self._recorded_over()
             await response.write_eof(first)
             return response
         if first:
@@ -310,11 +320,44 @@ class Exchange:
         finally:
             flow.flow = None
         self.upstream_finished = True
+        self._recorded_over()
         await response.write_eof()
         return response
 
+    def _recorded_over(self) -> None:
+        """The engine sent its whole response: its end goes in the record now, before the
+        response's last write (and the handler's teardown) give a dying process more time to
+        leave a finished request behind (:attr:`RequestLog.over` writes it again: a no-op)."""
+        if self.record_seq:
+            assert self.record is not None
+            self.record.done(self.record_seq)
+
     def _sent(self, response: UpstreamResponse) -> None:
         self.sending = response
+        body = self.body
+        if self.record is not None and not self.record_seq and body is not None:
+            if body.complete:
+                self._write_record()
+            else:  # the rest of the body is still being relayed
+                body.on_sent = self._write_record
+
+    def _write_record(self) -> None:
+        """Write this request's engine work in the record of in-flight work
+        (:mod:`sidecar.inflight`) now that the engine has its whole body, and its end when the
+        request is over (:attr:`RequestLog.over`). Only a plan :meth:`_prepare_abort` would
+        prepare is written: nothing kept after a disconnect (a background response), nothing
+        unabortable, and no ``abort_from_header`` target."""
+        assert self.record is not None
+        plan = self._derived_plan()
+        if not plan or self.record_seq or self.noticed_at is not None:
+            return
+        body = self.body
+        sent_at = body.sent_at if body is not None and body.sent_at else self.sent_at
+        record = self.record
+        seq = self.record_seq = record.add(
+            self.id, sent_at or time.monotonic(),
+            [(step.engine.name, step.engine.base_url, step.ids) for step in plan])
+        self.access.over = functools.partial(record.done, seq)
 
     def _observe_ttfb(self, seconds: float) -> None:
         """``cancel_sidecar_upstream_time_to_first_byte_seconds``: the upstream request sent ->
@@ -528,18 +571,30 @@ class Exchange:
         call per microsecond, ``python -m bench``'s storm). Only a plan whose derivation counts
         and logs nothing (no ``abort_from_header``, nothing kept or unabortable) is prepared;
         the others are derived at the disconnect, as :meth:`abort_plan` does."""
+        plan = self._derived_plan()
+        if plan is not None:
+            self.prepared = plan
+            self.prepared_phase = self._response_phase()
+
+    def _derived_plan(self) -> list[AbortStep] | None:
+        """The abort plan :meth:`_prepare_abort` prepares, derived once (the body copy is final
+        once the body went whole upstream); ``None`` if it must be derived at the end instead
+        (an ``abort_from_header`` route, something kept or unabortable)."""
+        if self._planned:
+            return self._plan
+        self._planned = True
         if self.target.from_header is not None:
-            return
+            return None
         body = self.body.copy() if self.body else None
         plan = []
         for engine in self.target.aborts:
             ids, reason = self._derive_ids(engine, body)
             if reason is not None:
-                return
+                return None
             if step := self._abort_step(engine, ids, body):
                 plan.append(step)
-        self.prepared = plan
-        self.prepared_phase = self._response_phase()
+        self._plan = plan
+        return plan
 
     def _derive_ids(self, engine: EngineAdapter,
                     body: bytes | None) -> tuple[tuple[str, ...], Kept | Unabortable | None]:
@@ -872,7 +927,8 @@ async def handle(request: web.Request, runtime: Runtime,
     if tunnel.wants_tunnel(request):  # Connection: Upgrade (a WebSocket): relayed, never aborted
         return await tunnel.relay(request, runtime, target, target_path, received, deadline,
                                   metrics)
-    exchange = Exchange(request, runtime, target, app[ABORTER], metrics, target_path)
+    exchange = Exchange(request, runtime, target, app[ABORTER], metrics, target_path,
+                        app[RECORD])
     timer = (None if deadline is None
              else loop.call_at(received + deadline, exchange.request_cancel, DEADLINE))
     exchanges = app[EXCHANGES]

@@ -155,17 +155,20 @@ def _bound_port(runner: web.AppRunner) -> int:
 
 async def start(settings: Settings, registry: CollectorRegistry | None = None, *,
                 port: int | None = None, reuse_port: bool = False,
-                admin: bool = True, control: Path | None = None) -> Servers:
+                admin: bool = True, control: Path | None = None,
+                recover: bool = True) -> Servers:
     """Start the proxy and admin listeners exactly as production runs them.
 
     ``port`` overrides ``settings.listen.port`` and ``reuse_port`` sets SO_REUSEPORT (a worker
     of :mod:`sidecar.workers`, sharing the port its supervisor chose); ``admin=False`` leaves
     the admin listener to the supervisor. ``control`` (a worker) also serves this process's
     cancel API without a token on a Unix socket at that path, for the supervisor
-    (:mod:`sidecar.cancel`); never on TCP. Raises ``OSError`` if an address cannot be bound.
+    (:mod:`sidecar.cancel`); never on TCP. ``recover``: abort what dead sidecar processes left
+    in ``lifecycle.record_dir`` before listening (False in a worker: its supervisor does).
+    Raises ``OSError`` if an address cannot be bound.
     """
     registry = registry or CollectorRegistry()
-    app = make_app(settings, registry)
+    app = make_app(settings, registry, recover=recover)
     idle_s = settings.downstream.idle_timeout_s
     proxy = DownstreamRunner(app, handler=proxy_handler(app), handler_cancellation=True,
                              access_log=None, shutdown_timeout=SHUTDOWN_TIMEOUT_S,

@@ -118,6 +118,7 @@ class RequestBody:
         # time.monotonic() when the last byte was handed upstream (None: complete from the
         # start, e.g. in memory; it goes out when the upstream request is sent)
         self.sent_at: float | None = None
+        self.on_sent: Callable[[], None] | None = None  # told when the last byte went upstream
 
     @classmethod
     def of(cls, body: bytes) -> RequestBody:
@@ -164,6 +165,8 @@ class RequestBody:
         if not self.complete:
             self.complete = True
             self.sent_at = time.monotonic()
+            if self.on_sent is not None:
+                self.on_sent()
 
     async def rest(self) -> AsyncIterator[bytes]:
         """The rest of the body, as the client sends it (after :meth:`to_send`)."""

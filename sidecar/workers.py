@@ -52,7 +52,7 @@ import socket
 import sys
 import tempfile
 import time
-from collections import deque
+from collections import Counter, deque
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
@@ -61,10 +61,13 @@ from prometheus_client import CollectorRegistry, multiprocess
 from prometheus_client.core import CounterMetricFamily, Metric
 from prometheus_client.registry import Collector
 
-from sidecar.app import make_admin_app
+from sidecar import inflight
+from sidecar.abort import Aborter
+from sidecar.app import ABORT_DRAIN_S, make_admin_app
 from sidecar.cancel import WorkerCanceller
 from sidecar.config import Settings, warn_open_cancel_api
 from sidecar.downstream import DownstreamRunner
+from sidecar.metrics import Metrics
 from sidecar.readiness import startup_check
 from sidecar.runtime import Runtime, Runtimes, describe_changes
 from sidecar.tasks import TaskSet
@@ -137,6 +140,10 @@ class Supervisor:
         self.deaths: deque[float] = deque()  # time.monotonic() of unasked deaths, in the window
         self.died_at: dict[int, float] = {}  # dead worker pid -> time.monotonic() of its death
         self.replaced = 0  # workers replaced after an unasked death
+        # Requests dead processes left running, aborted here: (engine, reason) -> count.
+        self.recovered: Counter[tuple[str, str]] = Counter()
+        self.aborter: Aborter | None = None
+        self.runtimes: Runtimes | None = None
         self.tasks = TaskSet()
         self.stopping = False
         self.failed = False
@@ -167,12 +174,18 @@ class Supervisor:
             log.error("cannot bind the proxy address %s:%d: %s", self.settings.listen.host,
                       self.settings.listen.port, exc)
             return 1
+        runtimes = self.runtimes = Runtimes(Runtime.open(self.settings), self.tasks)
+        # The abort machinery for what dead workers (or a dead sidecar) left running: its own
+        # warm abort connections, its metrics private (what it did is counted by _Replacements).
+        self.aborter = Aborter(self.tasks, Metrics(CollectorRegistry()))
+        self.aborter.warm(list(runtimes.current.adapters.values()))
+        self._recover(runtimes, "found_at_start")
         with reserved:
             port = self.port = int(reserved.getsockname()[1])
             if not await self._spawn_all(port):
                 await self._stop_workers()
+                await self._close_aborter(runtimes)
                 return 1
-        runtimes = Runtimes(Runtime.open(self.settings), self.tasks)
         try:
             admin, admin_port = await self._start_admin(runtimes)
         except OSError as exc:  # bind/resolve errors name the address
@@ -180,7 +193,7 @@ class Supervisor:
             log.error("cannot bind the admin address %s:%d: %s", self.settings.admin.host,
                       self.settings.admin.port, exc)
             await self._stop_workers()
-            await runtimes.close()
+            await self._close_aborter(runtimes)
             return 1
         warn_open_cancel_api(self.settings, port=admin_port)
         check = self.tasks.spawn(startup_check(admin, runtimes), name="engine startup check")
@@ -202,9 +215,29 @@ class Supervisor:
             await asyncio.wait({check})
             if admin is not None:
                 await admin.cleanup()
-            await self.tasks.drain(1.0)
-            await runtimes.close()
+            await self._close_aborter(runtimes)
         return 1 if self.failed else 0
+
+    async def _close_aborter(self, runtimes: Runtimes) -> None:
+        await self.tasks.drain(ABORT_DRAIN_S)  # the aborts of what dead workers left
+        assert self.aborter is not None
+        await asyncio.gather(runtimes.close(), self.aborter.close())
+
+    def _recover(self, runtimes: Runtimes, reason: str) -> None:
+        """Abort what dead processes left in ``lifecycle.record_dir`` (:mod:`sidecar.inflight`):
+        at the start (a dead sidecar's), and when a worker dies (its own, at once)."""
+        directory = self.settings.lifecycle.record_dir
+        if directory is None or self.aborter is None:
+            return
+        try:
+            found = inflight.recover(directory, runtimes.current.adapters, self.aborter,
+                                     reason.replace("_", " "))
+        except OSError as exc:
+            log.error("lifecycle.record_dir %s cannot be read (%s): what dead sidecar processes "
+                      "left running is not aborted", directory, exc)
+            return
+        for engine, count in found.items():
+            self.recovered[engine, reason] += count
 
     def _worker_env(self) -> dict[str, str]:
         return {**os.environ, "PROMETHEUS_MULTIPROC_DIR": str(self.metrics_dir),
@@ -362,8 +395,10 @@ class Supervisor:
             self._stop()
             return None
         log.error("worker %d exited unexpectedly (status %s); its in-flight requests are lost "
-                  "(their clients' connections were reset); starting a replacement", dead.pid,
-                  dead.returncode)
+                  "(their clients' connections were reset) and aborted at their engines; "
+                  "starting a replacement", dead.pid, dead.returncode)
+        if self.runtimes is not None:
+            self._recover(self.runtimes, "worker_died")
         proc = await self._spawn(self.port)
         if self.stopping:  # a stop came meanwhile: _stop signalled it (it is in self.procs)
             return proc
@@ -378,8 +413,9 @@ class Supervisor:
 
 
 class _Replacements(Collector):
-    """``cancel_sidecar_workers_replaced_total``: the supervisor's own counter (the workers'
-    metrics come from their multiprocess files)."""
+    """``cancel_sidecar_workers_replaced_total`` and ``cancel_sidecar_recovered_requests_total``:
+    the supervisor's own counters (the workers' metrics come from their multiprocess files; a
+    worker recovers nothing, so the second is never in them)."""
 
     def __init__(self, supervisor: Supervisor) -> None:
         self.supervisor = supervisor
@@ -389,3 +425,11 @@ class _Replacements(Collector):
             "cancel_sidecar_workers_replaced", "Workers started to replace one that exited "
             "unasked (SIGKILL, the OOM killer, a crash); --workers N only.",
             value=self.supervisor.replaced)
+        recovered = CounterMetricFamily(
+            "cancel_sidecar_recovered_requests", "Requests a dead sidecar process left running "
+            "at an engine, aborted on its behalf (sidecar.inflight): reason worker_died (by the "
+            "supervisor, --workers) or found_at_start (by the next start, before it listens).",
+            labels=["engine", "reason"])
+        for (engine, reason), count in sorted(self.supervisor.recovered.items()):
+            recovered.add_metric([engine, reason], count)
+        yield recovered

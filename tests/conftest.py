@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import AsyncIterator, Callable, Iterator
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -28,6 +29,19 @@ def pytest_asyncio_loop_factories(config: pytest.Config, item: pytest.Item
                                    ) -> dict[str, Callable[[], asyncio.AbstractEventLoop]]:
     """Run every async test on uvloop, the loop production uses."""
     return {"uvloop": uvloop.new_event_loop}
+
+
+@pytest.fixture(autouse=True)
+def record_dir(tmp_path_factory: pytest.TempPathFactory, monkeypatch: pytest.MonkeyPatch
+               ) -> Path:
+    """Each test's own ``XDG_STATE_HOME``, so the sidecars it starts (in this process, or
+    through the CLI, which inherits the environment) keep their records of in-flight work
+    (``lifecycle.record_dir``'s default, :mod:`sidecar.inflight`) apart from every other
+    test's: a record a killed sidecar left is aborted by the next start in the same
+    directory only. Returns the record directory."""
+    state = tmp_path_factory.mktemp("state")
+    monkeypatch.setenv("XDG_STATE_HOME", str(state))
+    return state / "cancel-sidecar"
 
 
 @pytest_asyncio.fixture
