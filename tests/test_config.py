@@ -65,6 +65,23 @@ def test_an_unset_variable_is_one_problem_where_it_is_used() -> None:
     assert "  - listen.port:" in message, f"expected the other problem still named:\n{message}"
 
 
+@pytest.mark.parametrize(("text", "location"), [
+    ("admin: {cancel_token: '${CANCEL_SIDECAR_CANCEL_TOKEN}'}\n"
+     "engines:\n  a: {kind: vllm, url: 'http://h:1'}\nroutes: [{prefix: /, engine: a}]\n",
+     "admin.cancel_token"),
+    ("engines:\n  a: {kind: vllm, url: 'http://h:1', abort: {api_key: '${VLLM_API_KEY}'}}\n"
+     "routes: [{prefix: /, engine: a}]\n", "engines.a.abort.api_key"),
+], ids=["cancel_token", "api_key"])
+def test_an_unset_secret_variable_is_never_told_to_take_a_default(
+        text: str, location: str) -> None:
+    """``${VAR:-default}`` is the fix for an ordinary setting; for a secret it would invite the
+    secret written into the file."""
+    message = problems_of(text)
+    assert f"  - {location}: environment variable" in message, message
+    assert ":-" not in message and "in the sidecar's environment" in message, (
+        f"expected the fix to be the environment, not a default in the file, got:\n{message}")
+
+
 @pytest.mark.parametrize(("text", "problems"), [
     # a misspelled key whose value is an unset variable: both
     ("engines:\n  a: {kind: vllm, url: 'http://h:1', ulr: '${NOPE}'}\n", 2),
