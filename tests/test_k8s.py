@@ -29,7 +29,9 @@ import kubernetes_validate
 import pytest
 import yaml
 
+from sidecar.app import ABORT_DRAIN_S
 from sidecar.config import Settings, open_cancel_api, parse_config
+from sidecar.runtime import CANCEL_WAIT_S
 
 ROOT = Path(__file__).resolve().parent.parent
 K8S = ROOT / "config" / "k8s"
@@ -424,10 +426,11 @@ def test_sidecar_runs_non_root_read_only_without_privileges(rendered: Rendered) 
 
 def test_termination_grace_outlasts_vllm_drain_and_sidecar_drain(native: Rendered) -> None:
     """Native sidecars get SIGTERM only after the main containers exit: the pod's grace period
-    covers vLLM's preStop, vLLM's --shutdown-timeout and then the sidecar's own drain (grace
-    period plus the abort calls' timeout), in that order."""
+    covers vLLM's preStop, vLLM's --shutdown-timeout and then the sidecar's own drain (its grace
+    period, the bounds on cancelled handlers and on the last abort calls, and the calls'
+    timeout: docs/operations.md, signals), in that order."""
     spec, vllm, settings = native.pod_spec(), native.vllm(), native.settings()
-    sidecar_drain = settings.lifecycle.grace_period_s + max(
+    sidecar_drain = settings.lifecycle.grace_period_s + CANCEL_WAIT_S + ABORT_DRAIN_S + max(
         e.abort.timeout_s for e in settings.engines.values())
     args = [str(a) for a in vllm.get("args", [])]
     vllm_drain = float(_flag(args, "--shutdown-timeout") or 0)
@@ -440,8 +443,8 @@ def test_termination_grace_outlasts_vllm_drain_and_sidecar_drain(native: Rendere
     got = spec.get("terminationGracePeriodSeconds", 30)
     assert got > needed, (
         f"expected terminationGracePeriodSeconds > {needed:g} (preStop {sleep or 0} + vLLM "
-        f"--shutdown-timeout {vllm_drain:g} + sidecar lifecycle.grace_period_s and "
-        f"abort.timeout_s {sidecar_drain:g}), got {got}")
+        f"--shutdown-timeout {vllm_drain:g} + sidecar lifecycle.grace_period_s, its two 5 s "
+        f"bounds and abort.timeout_s {sidecar_drain:g}), got {got}")
 
 
 def test_before_1_29_the_sidecar_drains_as_long_as_vllm(pre_129: Rendered) -> None:
