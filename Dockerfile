@@ -1,6 +1,10 @@
 # cancel-sidecar: runs next to an inference engine in the same pod.
 # Build: docker build -t cancel-sidecar .
-# Run:   docker run -v $PWD/config/sidecar.yaml:/etc/cancel-sidecar/sidecar.yaml:ro -p 8080:8080 cancel-sidecar
+# Run:   docker run --network host -v $PWD/config/sidecar.yaml:/etc/cancel-sidecar/sidecar.yaml:ro cancel-sidecar
+#        The built-in config (config/sidecar.yaml) listens on 127.0.0.1:8080 and finds vLLM on
+#        127.0.0.1:8000: the host's loopback here. With `-p 8080:8080` instead, both would be
+#        the container's own loopback: nothing reaches the listener and no engine is there.
+#        Elsewhere, mount a config whose listen.host is 0.0.0.0 and whose engine url is vLLM's.
 # BASE: any image with Python 3.11+ and pip on PATH as `python`/`pip`. CI builds this file with
 # podman against a stand-in base made from Debian's packages (tests/test_image.py: registry
 # images cannot be pulled there).

@@ -105,7 +105,7 @@ class Unabortable(enum.StrEnum):
     """Why a request that ended early got no abort call although its engine aborts by id: the
     engine runs it under ids the sidecar cannot know, so only its upstream connection was
     closed. The value is the ``reason`` label of ``cancel_sidecar_unabortable_requests_total``;
-    the set is fixed (low cardinality) and each value is documented in README's metrics list."""
+    the set is fixed (low cardinality), each value in the metrics table of docs/operations.md."""
 
     # SGLang gives each of n > 1 samples (and the prefix warm-up run) a fresh uuid4 rid.
     SGLANG_N_SAMPLES = "sglang_n_samples"

@@ -503,10 +503,10 @@ def _expand(node: Any, env: Mapping[str, str], loc: str, problems: list[ConfigPr
             return env[name]
         if default is not None:
             return default
-        problems.append(
-            ConfigProblem(loc, f"environment variable {name} is not set; "
-                          f"set it or write ${{{name}:-default}}")
-        )
+        fix = ("set it in the sidecar's environment (e.g. from a Secret), never the value "
+               "in this file" if loc.rpartition(".")[2] in _SECRET_KEYS
+               else f"set it or write ${{{name}:-default}}")
+        problems.append(ConfigProblem(loc, f"environment variable {name} is not set; {fix}"))
         return ""
 
     return _VAR.sub(substitute, node)

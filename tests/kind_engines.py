@@ -30,7 +30,7 @@ overtake its request on another connection), is recorded (``Work.ignored``,
 not its connection is still open; ``Work.ran_to_end`` says, per engine id, which ids reached
 their last token un-aborted.
 
-- :class:`VLLMEngine` (``../shared/notes/vllm-facts.md``, README "Request ids", checked against
+- :class:`VLLMEngine` (``../shared/notes/vllm-facts.md``, docs/engines.md, checked against
   vLLM 0.32 in ``tests/e2e/VLLM_FACTS_CHECKED.md``): the id is the ``X-Request-Id`` header;
   ``/v1/chat/completions`` runs as ``chatcmpl-{id}``, ``/v1/completions`` as ``cmpl-{id}-{i}``
   one per prompt (``-0`` for a single prompt), ``/v1/chat/completions/batch`` (``messages`` a

@@ -65,6 +65,23 @@ def test_an_unset_variable_is_one_problem_where_it_is_used() -> None:
     assert "  - listen.port:" in message, f"expected the other problem still named:\n{message}"
 
 
+@pytest.mark.parametrize(("text", "location"), [
+    ("admin: {cancel_token: '${CANCEL_SIDECAR_CANCEL_TOKEN}'}\n"
+     "engines:\n  a: {kind: vllm, url: 'http://h:1'}\nroutes: [{prefix: /, engine: a}]\n",
+     "admin.cancel_token"),
+    ("engines:\n  a: {kind: vllm, url: 'http://h:1', abort: {api_key: '${VLLM_API_KEY}'}}\n"
+     "routes: [{prefix: /, engine: a}]\n", "engines.a.abort.api_key"),
+], ids=["cancel_token", "api_key"])
+def test_an_unset_secret_variable_is_never_told_to_take_a_default(
+        text: str, location: str) -> None:
+    """``${VAR:-default}`` is the fix for an ordinary setting; for a secret it would invite the
+    secret written into the file."""
+    message = problems_of(text)
+    assert f"  - {location}: environment variable" in message, message
+    assert ":-" not in message and "in the sidecar's environment" in message, (
+        f"expected the fix to be the environment, not a default in the file, got:\n{message}")
+
+
 @pytest.mark.parametrize(("text", "problems"), [
     # a misspelled key whose value is an unset variable: both
     ("engines:\n  a: {kind: vllm, url: 'http://h:1', ulr: '${NOPE}'}\n", 2),
@@ -383,28 +400,28 @@ def test_listen_and_admin_ports_default_to_8080_and_9090_when_omitted(
 
 
 def _readme_defaults(key: str) -> tuple[str, dict[str, str]]:
-    """The README config-table row for ``key``, and its per-kind defaults ("`/health` for vllm
-    and sglang, `/v1/models` for openai" -> {"vllm": "/health", ...})."""
-    readme = (Path(__file__).resolve().parent.parent / "README.md").read_text()
-    rows = [line for line in readme.splitlines() if line.startswith(f"| `{key}`")]
-    assert len(rows) == 1, f"expected one README config-table row for {key}, got {rows}"
+    """The config-table row for ``key`` in docs/configuration.md, and its per-kind defaults
+    ("`/health` for vllm and sglang, `/v1/models` for openai" -> {"vllm": "/health", ...})."""
+    docs = Path(__file__).resolve().parent.parent / "docs" / "configuration.md"
+    rows = [line for line in docs.read_text().splitlines() if line.startswith(f"| `{key}`")]
+    assert len(rows) == 1, f"expected one config-table row for {key} in {docs.name}, got {rows}"
     default = rows[0].split("|")[2]
     per_kind = {kind: path for path, kinds in re.findall(r"`([^`]+)` for ([a-z ,]+)", default)
                 for kind in re.split(r",\s*|\s+and\s+", kinds.strip())}
     return rows[0], per_kind
 
 
-def test_readme_config_table_names_every_kind_and_its_default_paths() -> None:
+def test_config_table_names_every_kind_and_its_default_paths() -> None:
     kinds, _ = _readme_defaults("engines.NAME.kind")
     _, health = _readme_defaults("engines.NAME.health_path")
     _, abort = _readme_defaults("engines.NAME.abort.path")
     for kind, adapter in ADAPTERS.items():
-        assert f"`{kind.value}`" in kinds, f"expected kind {kind.value} in the README: {kinds}"
+        assert f"`{kind.value}`" in kinds, f"expected kind {kind.value} in the table: {kinds}"
         assert health.get(kind.value) == adapter.default_health_path, (
-            f"expected the README's health_path default for {kind.value} to be "
+            f"expected the table's health_path default for {kind.value} to be "
             f"{adapter.default_health_path}, got {health}")
         assert abort.get(kind.value) == adapter.default_abort_path, (
-            f"expected the README's abort.path default for {kind.value} to be "
+            f"expected the table's abort.path default for {kind.value} to be "
             f"{adapter.default_abort_path}, got {abort}")
 
 

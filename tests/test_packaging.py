@@ -1,4 +1,4 @@
-"""The shipped files agree with each other: Dockerfile, default config, README, CI script."""
+"""The shipped files agree with each other: Dockerfile, default config, README, docs, CI script."""
 
 from __future__ import annotations
 
@@ -42,8 +42,9 @@ def test_dockerfile_runs_non_root_with_a_healthcheck_on_the_admin_port() -> None
     assert health is not None and "http://127.0.0.1:9090/healthz" in DOCKERFILE, (
         "HEALTHCHECK must probe the default admin listener's /healthz")
     assert "/etc/cancel-sidecar/sidecar.yaml" in DOCKERFILE
-    readme = (ROOT / "README.md").read_text()
-    assert "/etc/cancel-sidecar/sidecar.yaml" in readme, "README must document the config path"
+    image_docs = (ROOT / "docs" / "getting-started.md").read_text()
+    assert "/etc/cancel-sidecar/sidecar.yaml" in image_docs, (
+        "docs/getting-started.md (the container image) must document the config path")
     # The base is a build argument (tests/test_image.py builds against a stand-in); the default
     # is the slim Python image, and every stage starts from it.
     assert re.search(r"^ARG BASE=python:3\.\d+-slim$", DOCKERFILE, re.M), (

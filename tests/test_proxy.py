@@ -367,9 +367,9 @@ async def test_http10_client_gets_close_delimited_sse(
                                   "body_too_large"])
 async def test_the_sidecars_own_errors_carry_both_request_ids(
         case: str, start_sidecar: StartSidecar) -> None:
-    """README: the client's ``X-Request-Id`` comes back as ``X-Client-Request-Id``, the sidecar's
-    own id as ``X-Request-Id``; on the answers the sidecar writes itself too (they had neither,
-    or only the sidecar's)."""
+    """docs/engines.md: a client's ``X-Request-Id`` comes back as ``X-Client-Request-Id``, the
+    sidecar's own id as ``X-Request-Id``; on the answers the sidecar writes itself too (they had
+    neither, or only the sidecar's)."""
     with contextlib.closing(socket.socket()) as probe:
         probe.bind(("127.0.0.1", 0))
         dead_port = probe.getsockname()[1]  # closed below: nothing listens there
