@@ -127,7 +127,7 @@ def open_record(directory: Path | None, adapters: dict[str, EngineAdapter], abor
     try:
         if recover:
             for engine, count in inflight.recover(directory, adapters, aborter,
-                                                  "found at start").items():
+                                                  "found at start").aborted.items():
                 metrics.recovered.labels(engine, "found_at_start").inc(count)
         return InflightRecord.open(directory)
     except OSError as exc:

@@ -11,6 +11,10 @@
                                                         ``Authorization: Bearer <token>`` matching
     502 {"error": {..., "type": "worker_unreachable"}}  --workers N only: not found, and some
                                                         worker could not be asked (it may hold it)
+    200 {"id": ..., "cancelled": true, "phase": null,   --workers N only: a request of a worker
+         "worker_died": true}                           that died in the last 60 s, aborted at
+                                                        its engines by the supervisor from the
+                                                        worker's record (sidecar.inflight)
 
 The answer comes once the request's handler has unwound (bounded by ``UNWIND_S``): its engine
 abort has started and the client's response has ended, so a second cancel of the same id is 404.
@@ -24,7 +28,9 @@ Where the request is looked up (a :data:`Canceller` under ``CANCELLER``)::
                     -> WorkerCanceller: POST the same path to every live worker at once, over
                        its control listener (a Unix socket in the supervisor's 0700 run
                        directory, no token, sidecar.workers) -> local_canceller in the worker
-                    first 200 wins and is passed on as is; all 404 -> 404; else 502
+                    first 200 wins and is passed on as is; all 404 -> 404; else 502; a dead
+                    worker whose record the supervisor read is not asked: its requests are
+                    known (200 worker_died), so an id found nowhere is 404
 
 Sidecar ids are ``uuid4().hex`` (:mod:`sidecar.proxy`), so at most one worker holds an id: the
 first 200 is the answer and the other asks are cancelled. A worker that does not answer within
@@ -127,8 +133,10 @@ class WorkerCanceller:
     keep-alive client session per socket, made on first use; :meth:`close` closes them.
     """
 
-    def __init__(self, workers: Callable[[], Sequence[tuple[int, Path]]]) -> None:
+    def __init__(self, workers: Callable[[], Sequence[tuple[int, Path]]],
+                 orphaned: Callable[[str], bool] = lambda _: False) -> None:
         self._workers = workers
+        self._orphaned = orphaned
         self._sessions: dict[Path, aiohttp.ClientSession] = {}
 
     def _session(self, path: Path) -> aiohttp.ClientSession:
@@ -160,6 +168,11 @@ class WorkerCanceller:
         return found
 
     async def __call__(self, request_id: str) -> web.Response:
+        if self._orphaned(request_id):
+            # A dead worker's request, aborted at its engines on the worker's behalf
+            # (sidecar.inflight); its client's connection died with the worker.
+            return web.json_response({"id": request_id, "cancelled": True, "phase": None,
+                                      "worker_died": True})
         workers = self._workers()
         if not workers:
             return error_response(502, "no worker is running", "worker_unreachable")

@@ -227,15 +227,28 @@ def _parse(data: bytes, path: Path) -> list[Orphan]:
     return list(live.values())
 
 
+@dataclass
+class Recovered:
+    """What :func:`recover` found: the records read (their names: ``<pid>-<random>``), the
+    requests aborted per engine name, and the sidecar ids of every request left."""
+
+    records: list[str]
+    aborted: Counter[str]
+    sidecar_ids: list[str]
+
+
 def recover(directory: Path, adapters: Mapping[str, EngineAdapter], aborter: Aborter,
-            why: str) -> Counter[str]:
+            why: str) -> Recovered:
     """Abort what dead processes left in the records in ``directory`` (:func:`orphans`): each
     request's ids at each engine, by :meth:`Aborter.abort_orphan` (fanned out, re-sent through
-    the registration window); returns the requests aborted per engine name. ``why`` says who
-    died, for the log (``a worker died``, ``found at start``). An engine the config no longer
-    has, by name and url, is logged (WARNING) and skipped: its ids are not aborted."""
-    aborted: Counter[str] = Counter()
+    the registration window). ``why`` says who died, for the log (``worker died``, ``found at
+    start``). An engine the config no longer has, by name and url, is logged (WARNING) and
+    skipped: its ids are not aborted. Raises ``OSError`` if the directory cannot be read."""
+    found = Recovered([], Counter(), [])
+    aborted = found.aborted
     for name, left in orphans(directory):
+        found.records.append(name)
+        found.sidecar_ids.extend(orphan.sidecar_id for orphan in left)
         skipped = 0
         for orphan in left:
             for engine_name, url, ids in orphan.engines:
@@ -254,4 +267,4 @@ def recover(directory: Path, adapters: Mapping[str, EngineAdapter], aborter: Abo
                         "aborting them%s; counted in cancel_sidecar_recovered_requests_total",
                         len(left), why, directory / f"{name}.log",
                         f" ({skipped} engine(s) skipped)" if skipped else "")
-    return aborted
+    return found

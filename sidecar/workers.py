@@ -142,6 +142,11 @@ class Supervisor:
         self.replaced = 0  # workers replaced after an unasked death
         # Requests dead processes left running, aborted here: (engine, reason) -> count.
         self.recovered: Counter[tuple[str, str]] = Counter()
+        # Dead workers whose record was read (their requests are known: the cancel API answers
+        # for them, sidecar.cancel), and the sidecar ids of those requests -> time.monotonic()
+        # of the death, kept DEAD_WORKER_S.
+        self.read_records: set[int] = set()
+        self.orphans: dict[str, float] = {}
         self.aborter: Aborter | None = None
         self.runtimes: Runtimes | None = None
         self.tasks = TaskSet()
@@ -223,9 +228,9 @@ class Supervisor:
         assert self.aborter is not None
         await asyncio.gather(runtimes.close(), self.aborter.close())
 
-    def _recover(self, runtimes: Runtimes, reason: str) -> None:
+    def _recover(self, runtimes: Runtimes, reason: str, dead: int | None = None) -> None:
         """Abort what dead processes left in ``lifecycle.record_dir`` (:mod:`sidecar.inflight`):
-        at the start (a dead sidecar's), and when a worker dies (its own, at once)."""
+        at the start (a dead sidecar's), and when worker ``dead`` died (its own, at once)."""
         directory = self.settings.lifecycle.record_dir
         if directory is None or self.aborter is None:
             return
@@ -236,8 +241,21 @@ class Supervisor:
             log.error("lifecycle.record_dir %s cannot be read (%s): what dead sidecar processes "
                       "left running is not aborted", directory, exc)
             return
-        for engine, count in found.items():
+        for engine, count in found.aborted.items():
             self.recovered[engine, reason] += count
+        if dead is not None:
+            now = time.monotonic()
+            self.read_records.add(dead)  # its record was read now, or it had none yet
+            for sidecar_id in found.sidecar_ids:
+                self.orphans[sidecar_id] = now
+            for sidecar_id in [i for i, at in self.orphans.items() if now - at > DEAD_WORKER_S]:
+                del self.orphans[sidecar_id]
+
+    def _orphaned(self, request_id: str) -> bool:
+        """True if ``request_id`` was a request of a worker that died in the last
+        ``DEAD_WORKER_S``, aborted on its behalf (the cancel API's 200 for it)."""
+        at = self.orphans.get(request_id)
+        return at is not None and time.monotonic() - at <= DEAD_WORKER_S
 
     def _worker_env(self) -> dict[str, str]:
         return {**os.environ, "PROMETHEUS_MULTIPROC_DIR": str(self.metrics_dir),
@@ -297,7 +315,7 @@ class Supervisor:
         multiprocess.MultiProcessCollector(  # type: ignore[no-untyped-call]
             registry, path=str(self.metrics_dir))
         registry.register(_Replacements(self))
-        canceller = WorkerCanceller(self._live_controls)
+        canceller = WorkerCanceller(self._live_controls, self._orphaned)
         app = make_admin_app(runtimes, registry, canceller)
 
         async def close_canceller(_: web.Application) -> None:
@@ -318,14 +336,16 @@ class Supervisor:
     def _live_controls(self) -> list[tuple[int, Path]]:
         """(pid, control socket) of every worker the cancel API must ask: those still running,
         and those that died (non-zero status, e.g. SIGKILL by the OOM killer) in the last
-        ``DEAD_WORKER_S``: such a worker cannot answer, so an id found nowhere is 502, not 404
-        (it may have been one of the dead worker's requests). A worker that exited 0 (drained
-        after a stop), or died longer ago (its clients' connections were reset then), is
-        skipped."""
+        ``DEAD_WORKER_S`` whose record was not read (no ``lifecycle.record_dir``): such a worker
+        cannot answer, so an id found nowhere is 502, not 404 (it may have been one of the dead
+        worker's requests). A dead worker whose record was read is not asked: its requests
+        are known (:meth:`_orphaned`). A worker that exited 0 (drained after a stop), or died
+        longer ago (its clients' connections were reset then), is skipped."""
         now = time.monotonic()
         return [(p.pid, self.controls[p.pid]) for p in self.procs
-                if p.returncode is None or (p.returncode != 0 and now - self.died_at.get(
-                    p.pid, now) < DEAD_WORKER_S)]
+                if p.returncode is None or (p.returncode != 0 and p.pid not in self.read_records
+                                            and now - self.died_at.get(p.pid, now)
+                                            < DEAD_WORKER_S)]
 
     def _mark_dead(self, pid: int) -> None:
         """Drop an exited worker's live gauges (its counters still count)."""
@@ -398,7 +418,7 @@ class Supervisor:
                   "(their clients' connections were reset) and aborted at their engines; "
                   "starting a replacement", dead.pid, dead.returncode)
         if self.runtimes is not None:
-            self._recover(self.runtimes, "worker_died")
+            self._recover(self.runtimes, "worker_died", dead.pid)
         proc = await self._spawn(self.port)
         if self.stopping:  # a stop came meanwhile: _stop signalled it (it is in self.procs)
             return proc

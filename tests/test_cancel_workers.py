@@ -296,13 +296,19 @@ async def test_cancel_while_stopping_skips_the_worker_that_already_exited(
     assert engine.record.aborted_ids() == [f"chatcmpl-{request_id}"], engine.record.aborts
 
 
-async def test_a_killed_worker_makes_an_id_found_nowhere_a_502(
-        engine: FakeEngine, tmp_path: Path) -> None:
-    """A worker killed by SIGKILL (the OOM killer) takes its requests with it: the supervisor
-    cannot tell whether an id was one of them, so an id no live worker has is 502
-    ``worker_unreachable``, not 404, while the surviving worker drains (grace 20 s); an id on
-    the survivor is still found. Before, a dead worker was skipped and the answer was 404."""
+@pytest.mark.parametrize("record", [True, False], ids=["with a record", "no record"])
+async def test_a_killed_worker_s_ids_are_answered_from_its_record(
+        engine: FakeEngine, tmp_path: Path, record: bool) -> None:
+    """A worker killed by SIGKILL (the OOM killer) takes its requests with it, and the
+    supervisor aborts them from the worker's record of in-flight work (:mod:`sidecar.inflight`):
+    the cancel API then answers 200 ``worker_died`` for each of them, and 404 for an id no
+    worker had, while the surviving worker drains (grace 20 s); an id on the survivor is still
+    found (200). Without a record (``lifecycle.record_dir: null``) the supervisor cannot tell
+    whether an id was the dead worker's: an id no live worker has is 502
+    ``worker_unreachable``, not 404 (before the record, always so)."""
     tree = config_tree(engine.url, grace_s=20.0)
+    if not record:
+        tree["lifecycle"]["record_dir"] = None
     async with (cli_process(tmp_path, tree, "--workers", "2") as cli, AsyncExitStack() as stack,
                 aiohttp.ClientSession() as admin, asyncio.timeout(60)):
         workers = psutil.Process(cli.proc.pid).children()
@@ -314,12 +320,21 @@ async def test_a_killed_worker_makes_an_id_found_nowhere_a_502(
         victim = workers[0]
         victim.kill()
         await asyncio.to_thread(victim.wait, WAIT_S)
+        if record:
+            await cli.wait_log("starting a replacement", WAIT_S)
         unknown = await cancel(admin, cli.admin_port, "0" * 32)
         answers = [await cancel(admin, cli.admin_port, rid) for _, _, rid in streams]
+    found = [a for a in answers if a[0] == 200 and not a[1].get("worker_died")]
+    assert found, answers
+    if record:
+        assert unknown[0] == 404, unknown
+        died = [a for a in answers if a[0] == 200 and a[1].get("worker_died")]
+        assert len(died) == held[victim.pid] and len(found) + len(died) == len(answers), (
+            held, answers)
+        return
     assert (unknown[0], unknown[1]["error"]["type"]) == (502, "worker_unreachable"), unknown
-    found = [a for a in answers if a[0] == 200]
     unreachable = [a for a in answers if a[0] == 502]
-    assert found and unreachable and len(found) + len(unreachable) == len(answers), answers
+    assert unreachable and len(found) + len(unreachable) == len(answers), answers
     assert len(unreachable) == held[victim.pid], (held, answers)
 
 
