@@ -28,7 +28,9 @@ file, on its own); SIGHUP also reloads the supervisor's engines for ``/readyz``.
 A worker that dies unasked (SIGKILL, the OOM killer, a crash) is replaced at once: a new worker
 on the same port (SO_REUSEPORT), with a control socket of its own, while the others serve on
 untouched (as nginx's master, gunicorn's arbiter and uvicorn's supervisor do). Its requests are
-lost with it: their clients' connections were reset. ``MAX_DEATHS`` deaths within
+lost with it (their clients' connections were reset), and what it left running at the engines
+is aborted here first, from its record of in-flight work (:mod:`sidecar.inflight`; at the
+start too, for what a dead sidecar left). ``MAX_DEATHS`` deaths within
 ``DEATH_WINDOW_S`` are a crash loop: the others are stopped and the sidecar exits 1, as does a
 replacement that does not start. Exit status: 0 when every worker exited 0 after a stop; 1 after
 a crash loop or a worker that failed to start.
