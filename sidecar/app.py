@@ -126,9 +126,12 @@ def open_record(directory: Path | None, adapters: dict[str, EngineAdapter], abor
         return None
     try:
         if recover:
-            for engine, count in inflight.recover(directory, adapters, aborter,
-                                                  "found at start").aborted.items():
-                metrics.recovered.labels(engine, "found_at_start").inc(count)
+            for name, engine in adapters.items():  # exported from 0
+                if engine.aborts:
+                    metrics.recovered.labels(name, "found_at_start")
+            for name, count in inflight.recover(directory, adapters, aborter,
+                                                "found at start").aborted.items():
+                metrics.recovered.labels(name, "found_at_start").inc(count)
         return InflightRecord.open(directory)
     except OSError as exc:
         log.error("lifecycle.record_dir %s cannot be used (%s): no record of in-flight requests "

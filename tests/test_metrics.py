@@ -195,7 +195,9 @@ async def test_metric_names_follow_prometheus_practice(engine: FakeEngine,
             text = await r.text()
     families = list(text_string_to_metric_families(text))
     assert families, "expected metric families on /metrics"
-    allowed_labels = {"route", "status_class", "phase", "engine", "outcome", "kind", "le"}
+    # reason: a fixed set per counter (unabortable, kept, recovered requests)
+    allowed_labels = {"route", "status_class", "phase", "engine", "outcome", "kind", "reason",
+                      "le"}
     for family in families:
         assert family.name.startswith("cancel_sidecar_"), (
             f"expected the cancel_sidecar_ prefix, got {family.name}")
