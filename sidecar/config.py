@@ -652,6 +652,15 @@ def _abort_without_endpoint(engines: Any) -> list[ConfigProblem]:
     return problems
 
 
+def _no_engine(name: str, engines: Any) -> str:
+    """What to say of ``name``, which names none of ``engines`` (their names): the closest
+    defined name, if one is close (a typo), and every defined name."""
+    defined = sorted(map(str, engines))
+    close = difflib.get_close_matches(name, defined, n=1, cutoff=0.6)
+    mean = f"; did you mean '{close[0]}'?" if close else ""
+    return f"names no defined engine{mean} (defined: {', '.join(defined) or 'none'})"
+
+
 def _route_aborts(i: int, names: Any, engines: Any) -> list[ConfigProblem]:
     """``routes.N.abort``: each name a defined engine of a kind that aborts, named once."""
     if not isinstance(names, list) or not isinstance(engines, dict):
@@ -667,9 +676,7 @@ def _route_aborts(i: int, names: Any, engines: Any) -> list[ConfigProblem]:
             problems.append(ConfigProblem(loc, f"duplicates routes.{i}.abort.{first[name]}",
                                           repr(name)))
         elif engine is None:
-            defined = ", ".join(sorted(map(str, engines))) or "none"
-            problems.append(ConfigProblem(loc, f"names no defined engine (defined: {defined})",
-                                          repr(name)))
+            problems.append(ConfigProblem(loc, _no_engine(name, engines), repr(name)))
         elif isinstance(engine, dict) and engine.get("kind") in {
                 k.value for k in KINDS_WITHOUT_ABORT}:
             problems.append(ConfigProblem(
@@ -688,8 +695,7 @@ def _header_template(i: int, section: Any, engines: Any) -> list[ConfigProblem]:
     loc = f"routes.{i}.abort_from_header.engine"
     engine = engines.get(name)
     if engine is None:
-        defined = ", ".join(sorted(map(str, engines))) or "none"
-        return [ConfigProblem(loc, f"names no defined engine (defined: {defined})", repr(name))]
+        return [ConfigProblem(loc, _no_engine(name, engines), repr(name))]
     if isinstance(engine, dict) and engine.get("kind") in {k.value for k in KINDS_WITHOUT_ABORT}:
         return [ConfigProblem(
             loc, f"engine {name} is of kind {engine['kind']}, which has no abort endpoint; name "
@@ -709,10 +715,8 @@ def _cross_reference(raw: dict[str, Any]) -> list[ConfigProblem]:
             continue
         engine, prefix = route.get("engine"), route.get("prefix")
         if names is not None and isinstance(engine, str) and engine not in names:
-            defined = ", ".join(sorted(map(str, names))) or "none"
-            problems.append(ConfigProblem(
-                f"routes.{i}.engine", f"names no defined engine (defined: {defined})",
-                repr(engine)))
+            problems.append(ConfigProblem(f"routes.{i}.engine", _no_engine(engine, names),
+                                          repr(engine)))
         problems.extend(_route_aborts(i, route.get("abort"), engines))
         problems.extend(_header_template(i, route.get("abort_from_header"), engines))
         if isinstance(prefix, str):
@@ -732,11 +736,13 @@ _VALUE = "tag:yaml.org,2002:value"
 class _Loader(yaml.SafeLoader):
     """PyYAML's safe loader, recording every key given twice in one mapping (PyYAML itself keeps
     the last silently), a ``<<`` merge key too, as a problem located by its dotted path, with
-    both line numbers."""
+    both line numbers; and the line of every key and list item, by dotted path (``lines``, for
+    :func:`_at_lines`)."""
 
     def __init__(self, stream: str) -> None:
         super().__init__(stream)
         self.duplicates: list[ConfigProblem] = []
+        self.lines: dict[str, int] = {}  # dotted path -> 1-based line of its key or list item
         self._seen: set[int] = set()
 
     def construct_document(self, node: yaml.Node) -> Any:
@@ -764,6 +770,7 @@ class _Loader(yaml.SafeLoader):
                 else:
                     continue  # a collection key: PyYAML reports it unhashable
                 line = key_node.start_mark.line + 1
+                self.lines.setdefault(f"{path}.{name}" if path else name, line)
                 if not isinstance(key, Hashable):
                     continue
                 if key in first:
@@ -776,17 +783,37 @@ class _Loader(yaml.SafeLoader):
                 first.setdefault(key, line)
         elif isinstance(node, yaml.SequenceNode):
             children = [(str(i), v) for i, v in enumerate(node.value)]
+            for name, child in children:
+                self.lines.setdefault(f"{path}.{name}" if path else name,
+                                      child.start_mark.line + 1)
         for name, child in children:
             self._check(child, f"{path}.{name}" if path else name)
 
 
-def _load_yaml(text: str) -> tuple[Any, list[ConfigProblem]]:
-    """The YAML tree of ``text`` and its duplicate-key problems. Raises ``yaml.YAMLError``."""
+def _load_yaml(text: str) -> tuple[Any, list[ConfigProblem], dict[str, int]]:
+    """The YAML tree of ``text``, its duplicate-key problems and the line of every dotted path
+    (:attr:`_Loader.lines`). Raises ``yaml.YAMLError``."""
     loader = _Loader(text)
     try:
-        return loader.get_single_data(), loader.duplicates
+        return loader.get_single_data(), loader.duplicates, loader.lines
     finally:
         loader.dispose()
+
+
+def _at_lines(problems: list[ConfigProblem], lines: Mapping[str, int]) -> list[ConfigProblem]:
+    """Each problem with the file line of its location, or of the nearest enclosing key or list
+    item the file has (a missing key: the mapping that lacks it; a key a ``<<`` merge brought:
+    the mapping that merged it), as ``line N: `` before its message; a problem of no line (a
+    top-level key that is missing) as it is."""
+    located = []
+    for problem in problems:
+        path = problem.location
+        while path and path not in lines:
+            path = path.rpartition(".")[0]
+        line = lines.get(path) if path else None
+        located.append(problem if line is None else ConfigProblem(
+            problem.location, f"line {line}: {problem.message}", problem.value))
+    return located
 
 
 def parse_config(text: str, source: str = "<string>",
@@ -797,7 +824,7 @@ def parse_config(text: str, source: str = "<string>",
     with its dotted location, what was wrong and the offending value (secrets masked).
     """
     try:
-        raw, problems = _load_yaml(text)
+        raw, problems, lines = _load_yaml(text)
     except yaml.YAMLError as exc:
         # Only the position and the problem: PyYAML's full message quotes the offending line,
         # which may hold a key.
@@ -808,7 +835,7 @@ def parse_config(text: str, source: str = "<string>",
     if not isinstance(raw, dict):
         raise ConfigError(source, [ConfigProblem("", "must be a YAML mapping at the top level",
                                                  type(raw).__name__)])
-    loaded = len(problems)
+    loaded = len(problems)  # the duplicates: their message names their lines already
     expanded = _expand(raw, os.environ if env is None else env, "", problems)
     # A value that is nothing but an unset ${VAR} was already named (it expands to ""): its
     # validation error would only say the same thing twice. Any other error there is kept.
@@ -817,48 +844,71 @@ def parse_config(text: str, source: str = "<string>",
     def cross_reference() -> list[ConfigProblem]:  # but "names no defined engine (got '')"
         return [p for p in _cross_reference(expanded)
                 if not (p.location in unset and p.value == repr(""))]
-    secrets = _secrets(raw) | _secrets(expanded)
+
+    settings, invalid = None, None
     try:
         settings = Settings.model_validate(expanded)
     except ValidationError as exc:
-        for err in exc.errors():
-            loc = ".".join(str(part) for part in err["loc"])
-            if (loc in unset and err["input"] == "" and err["type"] != "extra_forbidden"):
-                continue
-            if err["type"] == "extra_forbidden":  # a typo's value may be anything, a key too
-                problems.append(ConfigProblem(loc, _UNKNOWN_KEY + _did_you_mean(err["loc"])))
-                continue
-            value = None if err["type"] == "missing" else _render_value(err["loc"], err["input"])
-            message = err["msg"].removeprefix("Value error, ")
-            if err["type"] == "url_parsing" and "relative URL without a base" in message:
-                message += " (write the scheme too: http://HOST:PORT or https://HOST:PORT)"
-            problems.append(ConfigProblem(loc, message, value))
-        problems.extend(cross_reference())
-        problems.extend(_listener_clash(expanded))  # every problem, not only the model's
-        raise ConfigError(source, _scrub(problems, secrets)) from exc
+        problems.extend(_schema_problems(exc, unset))
+        invalid = exc
     problems.extend(cross_reference())
-    problems.extend(_listener_clash(expanded))
-    if problems:
-        raise ConfigError(source, _scrub(problems, secrets))
+    problems.extend(_listener_clash(expanded))  # every problem, not only the model's
+    if settings is None or problems:
+        located = problems[:loaded] + _at_lines(problems[loaded:], lines)
+        raise ConfigError(source, _scrub(located, _secrets(raw) | _secrets(expanded))
+                          ) from invalid
     return settings
 
 
-def _did_you_mean(loc: tuple[int | str, ...]) -> str:
-    """``"; did you mean 'routes'?"`` for an unknown key close to a key its section has
-    (:func:`difflib.get_close_matches`), else ``""``. The section is found by walking
-    :class:`Settings`' fields along ``loc`` (list indexes and mapping keys skipped)."""
+def _schema_problems(exc: ValidationError, unset: set[str]) -> list[ConfigProblem]:
+    """The problems of a failed :class:`Settings` validation, each named once with its fix:
+    an unknown key with the closest key its section has (a required key that it names is not
+    also "Field required": ``rotues`` is one problem), a URL without a scheme as such, and no
+    problem for a value that is only an unset ``${VAR}`` in ``unset`` (already named)."""
+    errors = exc.errors()
+    close = {i: _close_key(err["loc"]) for i, err in enumerate(errors)
+             if err["type"] == "extra_forbidden"}
+    meant = {(*errors[i]["loc"][:-1], key) for i, key in close.items() if key is not None}
+    problems = []
+    for i, err in enumerate(errors):
+        loc = ".".join(str(part) for part in err["loc"])
+        if (loc in unset and err["input"] == "" and err["type"] != "extra_forbidden"):
+            continue
+        if err["type"] == "extra_forbidden":  # a typo's value may be anything, a key too
+            key = close[i]
+            problems.append(ConfigProblem(
+                loc, _UNKNOWN_KEY + (f"; did you mean '{key}'?" if key else "")))
+            continue
+        if err["type"] == "missing" and tuple(err["loc"]) in meant:
+            continue  # the unknown key that names it says so
+        value = None if err["type"] == "missing" else _render_value(err["loc"], err["input"])
+        message = err["msg"].removeprefix("Value error, ")
+        if (err["type"] in ("url_parsing", "url_scheme") and isinstance(err["input"], str)
+                and err["input"] and "://" not in err["input"]):
+            # pydantic says "relative URL without a base" (127.0.0.1:8000), or takes the host
+            # for a scheme (vllm:8000)
+            message = "has no scheme: write it as http://HOST:PORT (or https://HOST:PORT)"
+        problems.append(ConfigProblem(loc, message, value))
+    return problems
+
+
+def _close_key(loc: tuple[int | str, ...]) -> str | None:
+    """The key of its section closest to the unknown key at ``loc``
+    (:func:`difflib.get_close_matches`: ``rotues`` -> ``routes``), or ``None``. The section is
+    found by walking :class:`Settings`' fields along ``loc`` (list indexes and mapping keys
+    skipped)."""
     model: type[BaseModel] | None = Settings
     for part in loc[:-1]:
         if model is None:
-            return ""
+            return None
         field = model.model_fields.get(str(part))
         if field is None:
             continue  # a list index or a mapping key (an engine's name): same model inside
         model = _model_in(field.annotation)
     if model is None:
-        return ""
+        return None
     close = difflib.get_close_matches(str(loc[-1]), list(model.model_fields), n=1, cutoff=0.75)
-    return f"; did you mean '{close[0]}'?" if close else ""
+    return close[0] if close else None
 
 
 def _model_in(annotation: Any) -> type[BaseModel] | None:

@@ -61,8 +61,10 @@ def test_an_unset_variable_is_one_problem_where_it_is_used() -> None:
     message = problems_of("engines:\n  a: {kind: vllm, url: '${ENGINE_URL}'}\n"
                           "listen: {port: 70000}\nroutes: [{prefix: /, engine: a}]\n")
     assert message.count("  - ") == 2, f"expected two problems, got:\n{message}"
-    assert "  - engines.a.url: environment variable ENGINE_URL is not set" in message, message
-    assert "  - listen.port:" in message, f"expected the other problem still named:\n{message}"
+    assert "  - engines.a.url: line 2: environment variable ENGINE_URL is not set" in message, (
+        message)
+    assert "  - listen.port: line 3:" in message, (
+        f"expected the other problem still named:\n{message}")
 
 
 @pytest.mark.parametrize(("text", "location"), [
@@ -77,7 +79,8 @@ def test_an_unset_secret_variable_is_never_told_to_take_a_default(
     """``${VAR:-default}`` is the fix for an ordinary setting; for a secret it would invite the
     secret written into the file."""
     message = problems_of(text)
-    assert f"  - {location}: environment variable" in message, message
+    assert re.search(rf"  - {re.escape(location)}: line \d: environment variable", message), (
+        message)
     assert ":-" not in message and "in the sidecar's environment" in message, (
         f"expected the fix to be the environment, not a default in the file, got:\n{message}")
 
@@ -111,7 +114,7 @@ def test_an_unset_variable_naming_an_engine_is_one_problem() -> None:
     message = problems_of("engines:\n  a: {kind: vllm, url: 'http://h:1'}\n"
                           "routes: [{prefix: /, engine: '${UNSET_E}'}]\n")
     assert message.count("  - ") == 1, f"expected one problem, got:\n{message}"
-    assert "routes.0.engine: environment variable UNSET_E is not set" in message, message
+    assert "routes.0.engine: line 3: environment variable UNSET_E is not set" in message, message
 
 
 def test_a_short_secret_is_masked_only_as_a_word() -> None:
@@ -509,7 +512,7 @@ def test_unknown_keys_never_show_their_values(section: str, location: str) -> No
 
 def test_unknown_key_problem_names_the_key_without_a_value() -> None:
     message = problems_of(f"listen: {{prot: 8081}}\n{ENGINE}{ROUTES}", env={"KEY": "k"})
-    assert "  - listen.prot: unknown key (value not shown)" in message, message
+    assert "  - listen.prot: line 1: unknown key (value not shown)" in message, message
     assert "8081" not in message, message
 
 
@@ -587,24 +590,100 @@ async def test_reload_log_of_a_bad_config_shows_no_userinfo_no_unknown_value(
 
 def test_a_misspelt_key_gets_the_close_key_of_its_section() -> None:
     """Unknown keys name the key their own section has that is closest (top level, a section,
-    an engine inside the ``engines`` mapping, a route inside the list); none when nothing is
-    close; the value is still never shown."""
+    an engine inside the ``engines`` mapping, a route inside the list), and their line; none
+    when nothing is close; the value is still never shown. A required key the typo names is
+    not also reported missing."""
     text = problems_of(
         "rotues:\n  - prefix: /\n    engine: local\n    engnie: local\n"
         "engines:\n  local:\n    kind: vllm\n    url: http://127.0.0.1:8000\n"
         "    abrot: {}\n    zzz_secretish: hunter2\n"
         "listen: {prot: 8080}\n")
-    assert "rotues: unknown key (value not shown); check its spelling and section; did you " \
-           "mean 'routes'?" in text, text
-    assert "listen.prot: unknown key" in text and "did you mean 'port'?" in text, text
-    assert "engines.local.abrot: unknown key" in text and "did you mean 'abort'?" in text, text
-    assert re.search(r"engines\.local\.zzz_secretish: unknown key \(value not shown\); "
+    assert "  - rotues: line 1: unknown key (value not shown); check its spelling and section; " \
+           "did you mean 'routes'?" in text, text
+    assert "listen.prot: line 11: unknown key" in text and "did you mean 'port'?" in text, text
+    assert "engines.local.abrot: line 9: unknown key" in text and "did you mean 'abort'?" in text
+    assert re.search(r"engines\.local\.zzz_secretish: line 10: unknown key \(value not shown\); "
                      r"check its spelling and section$", text, re.M), text
-    assert "hunter2" not in text
+    assert "Field required" not in text and "hunter2" not in text, text
+    assert text.count("  - ") == 4, f"expected the four unknown keys only, got:\n{text}"
 
 
-def test_an_engine_url_without_its_scheme_says_to_write_it() -> None:
+def test_a_required_key_no_typo_names_is_still_missing() -> None:
+    """Only the key a typo names is spared its "Field required": a far-off unknown key
+    (``zzz``) leaves ``routes`` missing, located by the mapping that lacks it where there is
+    one (a route without its prefix: that route's line)."""
+    text = problems_of("engines:\n  a: {kind: vllm, url: 'http://h:1'}\nzzz: 1\n")
+    assert "  - routes: Field required" in text and "  - zzz: line 3: unknown key" in text, text
+    text = problems_of("engines:\n  a: {kind: vllm, url: 'http://h:1'}\nroutes:\n"
+                       "  - engine: a\n")
+    assert "  - routes.0.prefix: line 4: Field required" in text, text
+
+
+NO_SCHEME = "has no scheme: write it as http://HOST:PORT (or https://HOST:PORT)"
+
+
+@pytest.mark.parametrize("url", ["127.0.0.1:8000", "vllm:8000", "localhost:8000",
+                                 "[::1]:8000"])
+def test_an_engine_url_without_its_scheme_says_to_write_it(url: str) -> None:
+    """pydantic says "relative URL without a base" for an address, and takes a host name for
+    the scheme (``vllm:8000``: "URL scheme should be 'http' or 'https'"): both are a missing
+    scheme."""
     text = problems_of("routes:\n  - prefix: /\n    engine: local\nengines:\n  local:\n"
-                       "    kind: vllm\n    url: 127.0.0.1:8000\n")
-    assert "engines.local.url: " in text and "(write the scheme too: http://HOST:PORT or " \
-           "https://HOST:PORT) (got '127.0.0.1:8000')" in text, text
+                       f"    kind: vllm\n    url: '{url}'\n")
+    assert f"  - engines.local.url: line 7: {NO_SCHEME} (got '{url}')" in text, text
+
+
+def test_a_wrong_scheme_is_named_as_such() -> None:
+    text = problems_of("engines:\n  a: {kind: vllm, url: 'ftp://h:1'}\n" + ROUTES)
+    assert "engines.a.url: line 2: URL scheme should be 'http' or 'https'" in text, text
+
+
+# --- the newcomer's four mistakes: one located problem each, with its fix -------------------
+
+@pytest.mark.parametrize(("text", "problem"), [
+    # a misspelt key (and so a required key missing: not told twice)
+    ("engines:\n  local: {kind: vllm, url: 'http://127.0.0.1:8000'}\n"
+     "routes:\n  - prefx: /\n    engine: local\n",
+     "routes.0.prefx: line 4: unknown key (value not shown); check its spelling and section; "
+     "did you mean 'prefix'?"),
+    ("engines:\n  local: {kind: vllm, url: 'http://127.0.0.1:8000'}\n"
+     "rotues:\n  - prefix: /\n    engine: local\n",
+     "rotues: line 3: unknown key (value not shown); check its spelling and section; "
+     "did you mean 'routes'?"),
+    # an engine url without its scheme
+    ("engines:\n  local:\n    kind: vllm\n    url: 127.0.0.1:8000\n"
+     "routes: [{prefix: /, engine: local}]\n",
+     f"engines.local.url: line 4: {NO_SCHEME} (got '127.0.0.1:8000')"),
+    # a route naming an engine not defined
+    ("engines:\n  vllm-0: {kind: vllm, url: 'http://127.0.0.1:8000'}\n"
+     "  router: {kind: openai, url: 'http://127.0.0.1:8001'}\n"
+     "routes:\n  - prefix: /v1\n    engine: vllm0\n",
+     "routes.0.engine: line 6: names no defined engine; did you mean 'vllm-0'? (defined: "
+     "router, vllm-0) (got 'vllm0')"),
+    # an unset environment variable
+    ("engines:\n  local:\n    kind: vllm\n    url: ${VLLM_URL}\n"
+     "routes: [{prefix: /, engine: local}]\n",
+     "engines.local.url: line 4: environment variable VLLM_URL is not set; set it or write "
+     "${VLLM_URL:-default}"),
+], ids=["typo", "typo_top_level", "missing_scheme", "unknown_engine", "unset_variable"])
+def test_each_common_mistake_is_one_problem_with_its_line_and_fix(text: str, problem: str
+                                                                   ) -> None:
+    message = problems_of(text)
+    assert message == f"invalid config <test>: 1 problem(s)\n  - {problem}", (
+        f"expected exactly the one problem\n  - {problem}\ngot:\n{message}")
+
+
+def test_check_config_prints_the_file_line_of_each_problem(tmp_path: Path) -> None:
+    """Through the CLI, as a newcomer runs it: exit 1 and the problems on stderr."""
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("engines:\n  local:\n    kind: vllm\n    url: 127.0.0.1:8000\n"
+                   "routes:\n  - prefix: /\n    engnie: local\n")
+    result = subprocess.run([sys.executable, "-m", "sidecar", "--check-config", "--config",
+                             str(bad)], capture_output=True, text=True, timeout=60, check=False)
+    assert result.returncode == 1, (result.returncode, result.stdout, result.stderr)
+    assert result.stderr.splitlines() == [
+        f"invalid config {bad}: 2 problem(s)",
+        f"  - engines.local.url: line 4: {NO_SCHEME} (got '127.0.0.1:8000')",
+        "  - routes.0.engnie: line 7: unknown key (value not shown); check its spelling and "
+        "section; did you mean 'engine'?",
+    ], result.stderr
