@@ -68,6 +68,22 @@ class EngineKind(enum.StrEnum):
     SGLANG = "sglang"
 
 
+class WhenAbortUnavailable(enum.StrEnum):
+    """What ``/readyz`` says while an engine answers its health check but its abort endpoint
+    refuses the readiness probe (vLLM without ``--enable-scale-out``: 403; a wrong key or path):
+    ``engines.NAME.abort.when_unavailable``, read by :mod:`sidecar.readiness`.
+
+    ``not_ready`` (the default): ``/readyz`` answers 503, so the pod gets no traffic and a
+    rolling update stops with the old pods serving, until the engine is fixed. ``close_only``:
+    ``/readyz`` answers 200 and the engine serves; a disconnect still sends its abort call (a
+    refused one closes the upstream connection at once, the way an engine without an abort
+    endpoint is stopped) and ``cancel_sidecar_engine_abort_unavailable`` is 1, for an alert.
+    """
+
+    NOT_READY = "not_ready"
+    CLOSE_ONLY = "close_only"
+
+
 MAX_SECONDS = 365 * 24 * 3600.0  # a year: longer waits are typos, and overflow the loop's timers
 
 
@@ -236,6 +252,9 @@ class AbortSettings(_Model):
     later) after which the request is ``unconfirmed`` (counted, a WARNING) and its upstream
     closed; 0: no confirmation (the upstream closed at once, outcome ``accepted``, re-sends only
     inside the registration window).
+
+    ``when_unavailable``: ``not_ready`` or ``close_only``, what ``/readyz`` says while the
+    engine is up but its abort endpoint refuses (:class:`WhenAbortUnavailable`).
     """
 
     path: Annotated[str | None, AfterValidator(_http_path)] = None
@@ -248,6 +267,7 @@ class AbortSettings(_Model):
     connections: Annotated[int, Field(ge=1, le=64), NotBool] = 16
     fanout: Annotated[int, Field(ge=1, le=64), NotBool] = 8
     max_calls: Annotated[int, Field(ge=1, le=1000), NotBool] = 64
+    when_unavailable: WhenAbortUnavailable = WhenAbortUnavailable.NOT_READY
 
 
 class EngineSettings(_Model):
@@ -512,7 +532,7 @@ def _expand(node: Any, env: Mapping[str, str], loc: str, problems: list[ConfigPr
     return _VAR.sub(substitute, node)
 
 
-_PUBLIC_ABORT_KEYS = frozenset({"path", "timeout_s", "retries"})
+_PUBLIC_ABORT_KEYS = frozenset({"path", "timeout_s", "retries", "when_unavailable"})
 # A key whose name says it holds a secret (``cancel-token``, ``Password``, ``x-api-key``): every
 # such key the schema knows is a SecretStr, so these are misspellings, and their values are masked.
 _SECRET_NAME = re.compile(r"token|key|secret|pass|auth|credential", re.IGNORECASE)

@@ -179,7 +179,8 @@ class Metrics:
 
 
 class ReadinessMetrics:
-    """The engines' readiness as the admin listener last saw it, registered on ``registry``.
+    """The engines' readiness as the admin listener last saw it, registered on ``registry``:
+    whether each is ready, and whether its abort endpoint is usable.
 
     Kept apart from :class:`Metrics`: readiness is checked by the admin side (the supervisor
     under ``--workers``, whose registry otherwise only sums the workers' files), never by a
@@ -191,5 +192,15 @@ class ReadinessMetrics:
             "cancel_sidecar_engine_ready",
             "1 if the engine passed its last readiness check (health endpoint 2xx and, for a kind "
             "that aborts, its abort endpoint usable), else 0. Checked on each GET /readyz (the "
-            "kubelet's readiness probe) and by the startup check; by engine.",
+            "kubelet's readiness probe) and by the startup check; by engine. An engine whose "
+            "abort endpoint refuses counts as ready under engines.*.abort.when_unavailable "
+            "close_only (see cancel_sidecar_engine_abort_unavailable).",
+            ["engine"], registry=registry)
+        self.engine_abort_unavailable = Gauge(
+            "cancel_sidecar_engine_abort_unavailable",
+            "1 if the engine's last readiness check found its health endpoint 2xx but its "
+            "abort endpoint unusable (vLLM without --enable-scale-out: 403; a wrong key or "
+            "path), else 0: a disconnect there only closes the upstream connection. Not ready "
+            "meanwhile (cancel_sidecar_engine_ready 0) unless engines.*.abort.when_unavailable "
+            "is close_only; by engine.",
             ["engine"], registry=registry)

@@ -12,16 +12,28 @@ unknown ids, so it proves the route and the key only; never an empty list). Its 
     connection refused  nothing listens at URL: is the engine up? (retrying)
     health non-2xx      URL/health answered STATUS
 
+An engine whose health endpoint answers 2xx but whose abort endpoint does not (any of the abort
+hints above, or no answer from it) is *up without aborts*. What that makes it is the engine's
+``abort.when_unavailable`` (:class:`~sidecar.config.WhenAbortUnavailable`): ``not_ready`` (the
+default) keeps the hint as its verdict; ``close_only`` makes it ``"ok"``, so that ``/readyz``
+answers 200 and the pod serves, with a disconnect closing the upstream connection only. The
+abort calls are still sent there: a refused one closes the upstream at once
+(:mod:`sidecar.abort`), each counts in ``cancel_sidecar_abort_calls_total`` (``http_403``...),
+and the first one after the engine is fixed aborts, with no wait for a re-check.
+
 :class:`Readiness` runs the check over every engine of the current config generation, remembers
-each engine's last verdict and logs only changes (INFO ``engine X ready (...)``, WARNING
-``engine X not ready: HINT``), whoever asked: ``/readyz`` or :meth:`Readiness.watch`, the
-startup check the CLI starts once the listeners are up (in the supervisor under ``--workers``).
-Each verdict also sets ``cancel_sidecar_engine_ready`` (:class:`~sidecar.metrics.ReadinessMetrics`)
-when the admin listener exports metrics.
+each engine's last state and logs only changes (INFO ``engine X ready (...)``; WARNING
+``engine X not ready: HINT``, naming ``when_unavailable: close_only`` when only the abort
+endpoint failed; WARNING ``engine X serving close-only: HINT`` under ``close_only``), whoever
+asked: ``/readyz`` or :meth:`Readiness.watch`, the startup check the CLI starts once the
+listeners are up (in the supervisor under ``--workers``). Each check also sets
+``cancel_sidecar_engine_ready`` and ``cancel_sidecar_engine_abort_unavailable``
+(:class:`~sidecar.metrics.ReadinessMetrics`) when the admin listener exports metrics.
 The watch never blocks or fails the start (in a pod the engine usually starts after the
 sidecar): it re-checks every ``RECHECK_FIRST_S`` seconds, doubling up to ``RECHECK_MAX_S``,
-until every engine is ready, and is cancelled when the sidecar stops. The abort key is sent,
-never logged.
+until every engine is ready with its aborts (one serving close-only is re-checked on, so that
+its gauge and log say when it is fixed even where nothing polls ``/readyz``), and is cancelled
+when the sidecar stops. The abort key is sent, never logged.
 """
 
 from __future__ import annotations
@@ -29,13 +41,14 @@ from __future__ import annotations
 import asyncio
 import logging
 import uuid
+from typing import NamedTuple
 
 import aiohttp
 from aiohttp import web
 
 from engine import EngineAdapter
 from sidecar.abort import ABORT_STATUS_HINTS
-from sidecar.config import EngineKind
+from sidecar.config import EngineKind, WhenAbortUnavailable
 from sidecar.keys import READINESS
 from sidecar.metrics import ReadinessMetrics
 from sidecar.runtime import Runtimes
@@ -80,15 +93,25 @@ def error_hint(adapter: EngineAdapter, url: str, exc: BaseException) -> str:
     return f"{url} failed: {type(exc).__name__} (retrying)"
 
 
-async def check_engine(session: aiohttp.ClientSession, adapter: EngineAdapter) -> str:
-    """``"ok"``, or what to fix (see the module docstring), within ``READY_TIMEOUT_S``."""
+class Verdict(NamedTuple):
+    """One engine's check: ``hint`` is ``"ok"`` or what to fix; ``abort_only`` says the health
+    endpoint answered 2xx and only the abort endpoint failed (the engine is up without aborts)."""
+
+    hint: str
+    abort_only: bool = False
+
+
+async def check_engine(session: aiohttp.ClientSession, adapter: EngineAdapter) -> Verdict:
+    """Its :class:`Verdict` (see the module docstring), within ``READY_TIMEOUT_S``."""
     url = adapter.base_url + adapter.health_path
+    healthy = False
     try:
         async with asyncio.timeout(READY_TIMEOUT_S):
             async with session.get(url, allow_redirects=False) as resp:
                 await resp.read()
                 if resp.status >= 300:
-                    return f"{url} answered {resp.status}"
+                    return Verdict(f"{url} answered {resp.status}")
+            healthy = True
             probe = (f"{PROBE_PREFIX}{uuid.uuid4().hex}",)
             for call in adapter.abort_calls(probe) if adapter.aborts else ():
                 url = adapter.base_url + call.path
@@ -96,10 +119,10 @@ async def check_engine(session: aiohttp.ClientSession, adapter: EngineAdapter) -
                                         headers=adapter.abort_headers()) as resp:
                     await resp.read()
                     if resp.status >= 300:
-                        return abort_hint(adapter, call.path, resp.status)
+                        return Verdict(abort_hint(adapter, call.path, resp.status), True)
     except (TimeoutError, aiohttp.ClientError) as exc:
-        return error_hint(adapter, url, exc)
-    return OK
+        return Verdict(error_hint(adapter, url, exc), healthy)
+    return Verdict(OK)
 
 
 class Readiness:
@@ -108,11 +131,14 @@ class Readiness:
     def __init__(self, runtimes: Runtimes, metrics: ReadinessMetrics | None = None) -> None:
         self._runtimes = runtimes
         self._metrics = metrics
-        self._last: dict[str, str] = {}
+        self._last: dict[str, Verdict] = {}
+        self._close_only: set[str] = set()  # engines serving close-only at the last check
 
     async def check(self) -> dict[str, str]:
-        """Check every engine concurrently; engine name -> ``"ok"`` or what to fix. Logs each
-        engine whose verdict changed since the last check (the first check logs them all)."""
+        """Check every engine concurrently; engine name -> ``"ok"`` (ready: it may get traffic)
+        or what to fix. An engine up without aborts is ``"ok"`` if its
+        ``abort.when_unavailable`` is ``close_only``, else its hint. Logs each engine whose
+        state changed since the last check (the first check logs them all)."""
         runtime = self._runtimes.current
         # An abort_from_header template's own url is never called: nothing to probe there.
         names = [n for n in runtime.adapters if n not in runtime.router.templates_only]
@@ -123,29 +149,53 @@ class Readiness:
                 cookie_jar=aiohttp.DummyCookieJar(), trust_env=False) as session:
             verdicts = await asyncio.gather(
                 *(check_engine(session, runtime.adapters[n]) for n in names))
-        results = dict(zip(names, verdicts, strict=True))
-        for name, verdict in results.items():
-            if self._last.get(name) == verdict:
-                continue
-            if verdict == OK:
-                log.info("engine %s ready (%s)", name,
-                         "health ok, abort endpoint ok" if runtime.adapters[name].aborts
-                         else "health ok; its kind has no abort endpoint")
-            else:
-                log.warning("engine %s not ready: %s", name, verdict)
+        checked = dict(zip(names, verdicts, strict=True))
+        close_only = {name for name, verdict in checked.items() if verdict.abort_only and
+                      runtime.adapters[name].settings.abort.when_unavailable
+                      is WhenAbortUnavailable.CLOSE_ONLY}
+        for name, verdict in checked.items():
+            if self._last.get(name) != verdict or (name in close_only) != (
+                    name in self._close_only):
+                self._log_change(name, verdict, name in close_only,
+                                 runtime.adapters[name].aborts)
+        results = {name: OK if name in close_only else verdict.hint
+                   for name, verdict in checked.items()}
         if self._metrics is not None:
-            for name, verdict in results.items():
-                self._metrics.engine_ready.labels(engine=name).set(1 if verdict == OK else 0)
-            for gone in self._last.keys() - results.keys():  # removed by a reload
+            for name, verdict in checked.items():
+                self._metrics.engine_ready.labels(engine=name).set(
+                    1 if results[name] == OK else 0)
+                self._metrics.engine_abort_unavailable.labels(engine=name).set(
+                    1 if verdict.abort_only else 0)
+            for gone in self._last.keys() - checked.keys():  # removed by a reload
                 self._metrics.engine_ready.remove(gone)
-        self._last = results
+                self._metrics.engine_abort_unavailable.remove(gone)
+        self._last, self._close_only = checked, close_only
         return results
+
+    @staticmethod
+    def _log_change(name: str, verdict: Verdict, close_only: bool, aborts: bool) -> None:
+        if verdict.hint == OK:
+            log.info("engine %s ready (%s)", name, "health ok, abort endpoint ok" if aborts
+                     else "health ok; its kind has no abort endpoint")
+        elif close_only:
+            log.warning("engine %s serving close-only: its abort endpoint is unusable (%s); "
+                        "engines.%s.abort.when_unavailable is close_only, so /readyz says ready "
+                        "and a disconnect only closes the upstream connection (the engine may "
+                        "generate on for nobody); cancel_sidecar_engine_abort_unavailable is 1",
+                        name, verdict.hint, name)
+        elif verdict.abort_only:
+            log.warning("engine %s not ready: %s (or, to serve without aborts meanwhile, set "
+                        "engines.%s.abort.when_unavailable: close_only)", name, verdict.hint,
+                        name)
+        else:
+            log.warning("engine %s not ready: %s", name, verdict.hint)
 
     async def watch(self) -> None:
         """The startup check: :meth:`check` now, then again after ``RECHECK_FIRST_S`` seconds,
-        doubling up to ``RECHECK_MAX_S``, until every engine is ready. Cancel it to stop."""
+        doubling up to ``RECHECK_MAX_S``, until every engine is ready and none serves
+        close-only. Cancel it to stop."""
         delay = RECHECK_FIRST_S
-        while not all(v == OK for v in (await self.check()).values()):
+        while not all(v == OK for v in (await self.check()).values()) or self._close_only:
             await asyncio.sleep(delay)
             delay = min(delay * 2, RECHECK_MAX_S)
 

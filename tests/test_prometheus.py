@@ -5,7 +5,9 @@ workers' metric files) in front of three fake engines of kind vllm: ``good`` (an
 request aborted: ``confirmed``) behind ``/v1/chat``, ``flaky`` (abort and its readiness probe
 answer 503; no retries) behind ``/v1/completions``, and one whose aborts answer 200 and end
 nothing, as ``deaf`` (``unconfirmed`` after ``abort.confirm_timeout_s``) behind ``/inference``
-and as ``blind`` (``confirm_timeout_s: 0``: ``accepted``) behind ``/v1/responses``. A script of
+and as ``blind`` (``confirm_timeout_s: 0``: ``accepted``) behind ``/v1/responses``; ``flaky``'s
+url again as ``closing``, with no route and ``abort.when_unavailable: close_only`` (ready, its
+abort endpoint unavailable: served close-only). A script of
 completed streams, disconnects, failed and unconfirmed aborts, an unabortable request (vLLM beam
 search), engine resets mid-stream and refused bodies runs in two phases: the
 first creates every series and waits for Prometheus to scrape it, so the rates and quantiles of
@@ -61,6 +63,8 @@ def _tree(good: FakeEngine, flaky: FakeEngine, deaf: FakeEngine) -> dict[str, An
                                "resend_window_s": 0.1}},
             "blind": {"kind": "vllm", "url": deaf.url,
                       "abort": {"timeout_s": 2.0, "confirm_timeout_s": 0}},
+            "closing": {"kind": "vllm", "url": flaky.url,
+                        "abort": {"retries": 0, "when_unavailable": "close_only"}},
         },
         "routes": [{"prefix": "/v1/chat", "engine": "good"},
                    {"prefix": "/v1/completions", "engine": "flaky"},
@@ -275,8 +279,15 @@ async def _check_counters(prom: Prometheus) -> None:
     assert upstream == want_up, f"expected upstream errors {want_up}, got {upstream}"
 
     ready = await prom.values("cancel_sidecar_engine_ready", "engine")
-    assert ready == {("good",): 1.0, ("flaky",): 0.0, ("deaf",): 1.0, ("blind",): 1.0}, (
-        f"expected good, deaf and blind ready (1) and flaky not (0), got {ready}")
+    assert ready == {("good",): 1.0, ("flaky",): 0.0, ("deaf",): 1.0, ("blind",): 1.0,
+                     ("closing",): 1.0}, (
+        f"expected good, deaf, blind and closing (close_only) ready (1) and flaky not (0), "
+        f"got {ready}")
+    unavailable = await prom.values("cancel_sidecar_engine_abort_unavailable", "engine")
+    assert unavailable == {("good",): 0.0, ("flaky",): 1.0, ("deaf",): 0.0, ("blind",): 0.0,
+                           ("closing",): 1.0}, (
+        f"expected the abort endpoint unavailable at flaky and closing (503) only, got "
+        f"{unavailable}")
 
     # Rates over the window: phase 2 happened inside it.
     rate = await prom.scalar(
@@ -301,12 +312,13 @@ async def _check_counters(prom: Prometheus) -> None:
 async def _check_rules_and_alerts(prom: Prometheus) -> None:
     rules = await prom.rules()
     health = [(r["name"], r["health"], r.get("lastError")) for r in rules]
-    assert len(rules) == 9 and all(h == "ok" for _, h, _ in health), (
-        f"expected 9 healthy rules, got {health}")
+    assert len(rules) == 10 and all(h == "ok" for _, h, _ in health), (
+        f"expected 10 healthy rules, got {health}")
     # Rules are evaluated every second; the alerts this script provokes appear within a few.
     want = {("CancelSidecarRequestsNotAborted", "flaky"), ("CancelSidecarEngineNotReady", "flaky"),
             ("CancelSidecarUnabortableRequests", "good"),
-            ("CancelSidecarAbortsUnconfirmed", "deaf")}
+            ("CancelSidecarAbortsUnconfirmed", "deaf"),
+            ("CancelSidecarEngineCloseOnly", "closing")}
     active: set[tuple[str, str]] = set()
     for _ in range(40):
         active = {(a["labels"]["alertname"], a["labels"].get("engine", ""))
@@ -319,6 +331,12 @@ async def _check_rules_and_alerts(prom: Prometheus) -> None:
     not_aborted = {e for a, e in active if a == "CancelSidecarRequestsNotAborted"}
     assert not_aborted == {"flaky"}, (
         f"expected CancelSidecarRequestsNotAborted for flaky only, got {sorted(not_aborted)}")
+    # Each engine without aborts has one of the two: out of service (flaky, not_ready) or
+    # served close-only (closing).
+    for alert, engine in (("CancelSidecarEngineNotReady", "flaky"),
+                          ("CancelSidecarEngineCloseOnly", "closing")):
+        got = {e for a, e in active if a == alert}
+        assert got == {engine}, f"expected {alert} for {engine} only, got {sorted(got)}"
 
 
 async def _check_dashboard(prom: Prometheus, workers: int) -> None:

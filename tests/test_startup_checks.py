@@ -19,6 +19,7 @@ import pytest
 from sidecar.app import ABORT_DRAIN_S
 from tests.cli_process import CliProcess, cli_process, config_tree
 from tests.fake_engine import FakeEngine
+from tests.support import metrics, sample
 from tests.upstreams import refused_port
 
 pytestmark = pytest.mark.timeout(90)
@@ -141,6 +142,34 @@ async def test_workers_run_the_startup_check_once(engine: FakeEngine, tmp_path: 
         assert len(_lines(cli, SCALE_OUT)) == 1 and len(_lines(cli, READY)) == 1, (
             "expected one hint and one ready line (the supervisor's check only), got "
             f"{_lines(cli, SCALE_OUT)} {_lines(cli, READY)}")
+
+
+@pytest.mark.parametrize("workers", ["1", "2"])
+async def test_close_only_is_re_checked_until_the_engine_can_abort(
+        engine: FakeEngine, tmp_path: Path, workers: str) -> None:
+    """``abort.when_unavailable: close_only`` through the CLI (the supervisor's admin
+    listener under ``--workers``): /readyz 200 and the gauge 1 while vLLM answers 403; the
+    startup check keeps re-checking on its own (nobody asks /readyz meanwhile), so the fix is
+    logged and the gauge back to 0 without a probe."""
+    engine.record.abort_status = 403
+    tree = config_tree(engine.url)
+    tree["engines"]["local"]["abort"]["when_unavailable"] = "close_only"
+    async with cli_process(tmp_path, tree, "--workers", workers) as cli:
+        await cli.wait_log(f"engine local serving close-only: its abort endpoint is unusable "
+                           f"({SCALE_OUT})", CHECK_S)
+        status, body = await _readyz(cli)
+        assert (status, body) == (200, {"ready": True, "engines": {"local": "ok"}}), (
+            f"expected /readyz 200 under close_only, got {status} {body}")
+        gauges = await metrics(cli.admin_port)
+        assert sample(gauges, "cancel_sidecar_engine_abort_unavailable", engine="local") == 1, (
+            gauges)
+        engine.record.abort_status = 200
+        await cli.wait_log(READY, CHECK_S)
+        gauges = await metrics(cli.admin_port)
+        unavailable = gauges.get(("cancel_sidecar_engine_abort_unavailable",
+                                  frozenset({("engine", "local")})))
+        assert unavailable == 0, f"expected the gauge back to 0, got {unavailable}"
+        assert len(_lines(cli, "serving close-only")) == 1, _lines(cli, "serving close-only")
 
 
 async def test_stop_does_not_wait_for_the_startup_check(tmp_path: Path) -> None:
