@@ -1,6 +1,7 @@
 # cancel-sidecar: runs next to an inference engine in the same pod.
 # Build: docker build -t cancel-sidecar .
-# Run:   docker run --network host -v $PWD/config/sidecar.yaml:/etc/cancel-sidecar/sidecar.yaml:ro cancel-sidecar
+# Run:   docker run --network host -v cancel-sidecar-state:/var/lib/cancel-sidecar \
+#          -v $PWD/config/sidecar.yaml:/etc/cancel-sidecar/sidecar.yaml:ro cancel-sidecar
 #        The built-in config (config/sidecar.yaml) listens on 127.0.0.1:8080 and finds vLLM on
 #        127.0.0.1:8000: the host's loopback here. With `-p 8080:8080` instead, both would be
 #        the container's own loopback: nothing reaches the listener and no engine is there.
@@ -20,12 +21,19 @@ RUN pip wheel --no-cache-dir --wheel-dir /wheels .
 FROM ${BASE}
 # CANCEL_SIDECAR_HEALTHCHECK_URL: what HEALTHCHECK asks; set it when the mounted config's admin
 # listener is not on port 9090.
+# XDG_STATE_HOME: lifecycle.record_dir's default is $XDG_STATE_HOME/cancel-sidecar, so the record
+# of in-flight engine work goes to /var/lib/cancel-sidecar (the user's own, mode 0700). A killed
+# sidecar's next start aborts what that record names, if it is still there: mount a volume at
+# /var/lib/cancel-sidecar (a named volume; an emptyDir in Kubernetes) for it to outlive the
+# container. A new named volume takes the directory's owner and mode from the image.
 ENV PYTHONDONTWRITEBYTECODE=1 \
     PYTHONUNBUFFERED=1 \
+    XDG_STATE_HOME=/var/lib \
     CANCEL_SIDECAR_HEALTHCHECK_URL=http://127.0.0.1:9090/healthz
 COPY --from=build /wheels /wheels
 RUN pip install --no-cache-dir /wheels/*.whl && rm -rf /wheels \
-    && useradd --system --uid 10001 --no-create-home --shell /usr/sbin/nologin sidecar
+    && useradd --system --uid 10001 --no-create-home --shell /usr/sbin/nologin sidecar \
+    && install -d -o sidecar -g sidecar -m 0700 /var/lib/cancel-sidecar
 COPY config/sidecar.yaml /etc/cancel-sidecar/sidecar.yaml
 USER 10001
 # Proxy (clients) and admin (/healthz, /readyz, /metrics). Inside a pod, set listen.host and

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import asyncio
 import hashlib
+import json
 import os
 import re
 import shutil
@@ -24,7 +25,7 @@ import subprocess
 import sys
 import time
 import uuid
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator, Sequence
 from contextlib import asynccontextmanager, suppress
 from dataclasses import dataclass
 from pathlib import Path
@@ -34,8 +35,10 @@ import aiohttp
 import psutil
 import pytest
 import yaml
+from prometheus_client.parser import text_string_to_metric_families
 
 from tests.fake_engine import FakeEngine, flood_sha256
+from tests.kind_engines import LINGER_S, VLLMEngine, Work
 
 ROOT = Path(__file__).resolve().parent.parent
 BASE_TAG = "localhost/cancel-sidecar-test-base:bookworm"
@@ -179,14 +182,17 @@ class Container:
 
 @asynccontextmanager
 async def container(podman: Podman, image: str, config: Path, *, env: dict[str, str] | None = None,
-                    wait_ready: bool = True) -> AsyncIterator[Container]:
-    """``podman run --rm --network host -v CONFIG:/etc/cancel-sidecar/sidecar.yaml:ro IMAGE``;
-    with ``wait_ready`` reads the sidecar's ready line first. Removed at the end if still up."""
+                    volumes: Sequence[str] = (), wait_ready: bool = True
+                    ) -> AsyncIterator[Container]:
+    """``podman run --rm --network host -v CONFIG:/etc/cancel-sidecar/sidecar.yaml:ro IMAGE``,
+    plus ``-v`` for each of ``volumes`` (``SOURCE:DEST[:OPTIONS]``); with ``wait_ready`` reads
+    the sidecar's ready line first. Removed at the end if still up."""
     name = f"cancel-sidecar-test-{uuid.uuid4().hex[:12]}"
     env_args = [a for k, v in (env or {}).items() for a in ("-e", f"{k}={v}")]
+    volume_args = [a for v in volumes for a in ("-v", v)]
     proc = await asyncio.create_subprocess_exec(
         "podman", "run", "--rm", "--name", name, "--runtime", "runc", "--network", "host",
-        *env_args, "-v", f"{config}:/etc/cancel-sidecar/sidecar.yaml:ro", image,
+        *env_args, *volume_args, "-v", f"{config}:/etc/cancel-sidecar/sidecar.yaml:ro", image,
         env=podman.env, stdin=asyncio.subprocess.DEVNULL, stdout=asyncio.subprocess.PIPE,
         stderr=asyncio.subprocess.PIPE)
     box = Container(podman, name, proc)
@@ -315,8 +321,210 @@ async def test_image_refuses_a_bad_mounted_config_with_located_errors(
     async with container(podman, image, config, wait_ready=False) as box:
         code = await box.wait_exit()
     assert code == 1, f"expected exit 1 for a bad config, got {code}; stderr:\n{box.stderr}"
-    for located in ("listen.port: ", "routes.0.engine: names no defined engine"):
-        assert located in box.stderr, f"expected {located!r} on stderr, got:\n{box.stderr}"
+    # Each problem: its dotted location, its line in the file, what is wrong.
+    for located in (r"listen\.port: line \d+: ",
+                    r"routes\.0\.engine: line \d+: names no defined engine"):
+        assert re.search(located, box.stderr), (
+            f"expected {located!r} on stderr, got:\n{box.stderr}")
+
+
+# --- a killed container and its restart -------------------------------------------------------
+
+RECORD_DIR = "/var/lib/cancel-sidecar"  # the image's lifecycle.record_dir: $XDG_STATE_HOME/...
+# Long enough that nothing ends on its own during a test: 2000 tokens 50 ms apart (100 s).
+LONG = "tokens=2000&interval=0.05"
+# What the load runs: (path, body) each, all streaming but the JSON chats; the completions
+# carry 3 prompts each (3 engine ids).
+LOAD = ([("/v1/chat/completions", {"messages": [], "stream": True})] * 4
+        + [("/v1/chat/completions", {"messages": [], "stream": False})] * 2
+        + [("/v1/completions", {"prompt": ["a", "b", "c"], "stream": True})] * 2)
+QUIET_AFTER_RESTART_S = 2.0  # nothing runs at the engine this long after the restart listens
+
+
+@pytest.fixture
+async def blind_engine() -> AsyncIterator[VLLMEngine]:
+    """The vLLM fake of :mod:`tests.kind_engines`: it generates blind to its connections, so a
+    request whose client is gone runs on until an abort names its ids (or ``LINGER_S``)."""
+    fake = VLLMEngine(seed=25)
+    await fake.start()
+    yield fake
+    await fake.stop()
+
+
+@pytest.fixture
+def record_volume(podman: Podman) -> Iterator[str]:
+    """A named podman volume, removed at the end."""
+    name = f"cancel-sidecar-test-{uuid.uuid4().hex[:12]}"
+    podman.run("volume", "create", name)
+    yield name
+    podman.run("volume", "rm", "--force", name, check=False)
+
+
+def _live_records(logs: str) -> dict[str, list[str]]:
+    """The requests a record's ``.log`` text (every file of the directory, one after another:
+    sequence numbers are per file, so one file is expected) names as not over: sidecar id ->
+    its engine ids (:mod:`sidecar.inflight`: ``+SEQ JSON`` when sent, ``-SEQ`` when over)."""
+    live: dict[str, tuple[str, list[str]]] = {}
+    for line in logs.splitlines():
+        if line.startswith("-"):
+            live.pop(line[1:], None)
+        elif line.startswith("+"):
+            seq, _, body = line[1:].partition(" ")
+            entry = json.loads(body)
+            live[seq] = (entry["sidecar_id"], [i for e in entry["engines"] for i in e["ids"]])
+    return dict(live.values())
+
+
+def _read_logs(directory: Path) -> str:
+    return "".join(p.read_text() for p in sorted(directory.glob("*.log")))
+
+
+async def _load_then_kill(box: Container, fake: VLLMEngine,
+                          read_record: Callable[[], Awaitable[str]]
+                          ) -> tuple[list[Work], dict[str, list[str]], float]:
+    """Run :data:`LOAD` through the container until the engine runs all of it and the record
+    names all of it, then ``podman kill --signal KILL``: the works it left, the record's live
+    requests just before the kill, and the kill's ``time.monotonic()``."""
+    proxy = f"http://127.0.0.1:{box.proxy_port}"
+    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=60)) as session:
+
+        async def client(path: str, body: dict[str, Any]) -> None:
+            async with session.post(f"{proxy}{path}?{LONG}", json={"model": "m", **body}) as r:
+                await r.read()  # until the kill cuts it
+
+        clients = [asyncio.ensure_future(client(path, body)) for path, body in LOAD]
+        try:
+            everything_runs = await fake.watch.until(
+                lambda: len(fake.works) == len(LOAD) and all(
+                    w.running and w.registered_at is not None for w in fake.works), 10)
+            assert everything_runs, (
+                f"expected the engine to run all {len(LOAD)} requests within 10 s, got "
+                f"{[(w.path, w.running) for w in fake.works]}; stderr:\n{box.stderr}")
+            ids = sorted(i for w in fake.works for i in w.engine_ids)
+            # The record's line is written as the body goes upstream: poll the file for it.
+            deadline = time.monotonic() + 5
+            while True:
+                record = _live_records(await read_record())
+                if sorted(i for r in record.values() for i in r) == ids:
+                    break
+                assert time.monotonic() < deadline, (
+                    f"expected the record in {RECORD_DIR} to name the engine ids {ids} within "
+                    f"5 s, it names {record}")
+                await asyncio.sleep(0.05)
+            code, out = await box.podman_async("kill", "--signal", "KILL", box.name)
+            killed = time.monotonic()
+            assert code == 0, f"expected podman kill --signal KILL to work, got {code}: {out}"
+            code = await box.wait_exit()
+            assert code == 137, f"expected exit 137 (SIGKILL), got {code}; stderr:\n{box.stderr}"
+        except BaseException:
+            for task in clients:  # the container still serves them
+                task.cancel()
+            await asyncio.gather(*clients, return_exceptions=True)
+            raise
+        results = await asyncio.wait_for(asyncio.gather(*clients, return_exceptions=True), 30)
+        assert all(isinstance(r, aiohttp.ClientError) for r in results), (
+            f"expected every client cut by the kill, got {results}")
+    return list(fake.works), record, killed
+
+
+async def _recovered(admin_port: int) -> float:
+    """``cancel_sidecar_recovered_requests_total{reason="found_at_start"}``, summed."""
+    async with aiohttp.ClientSession() as session, session.get(
+            f"http://127.0.0.1:{admin_port}/metrics") as resp:
+        text = await resp.text()
+    return sum(sample.value for family in text_string_to_metric_families(text)
+               for sample in family.samples
+               if sample.name == "cancel_sidecar_recovered_requests_total"
+               and sample.labels.get("reason") == "found_at_start")
+
+
+async def test_a_killed_container_s_work_is_aborted_by_its_restart_with_the_record_volume(
+        podman: Podman, image: str, blind_engine: VLLMEngine, record_volume: str,
+        tmp_path: Path) -> None:
+    """SIGKILL to the container with streams and JSON requests in flight, then a new container
+    with the same named volume at the record directory: before it listens it aborts everything
+    the dead one left, so nothing runs at the engine 2 s after it listens."""
+    fake = blind_engine
+    config = _config(tmp_path, fake.url, _free_port())
+    mountpoint = Path(podman.run("volume", "inspect", "--format", "{{.Mountpoint}}",
+                                 record_volume).stdout.strip())
+    volumes = [f"{record_volume}:{RECORD_DIR}"]
+
+    async def read_record() -> str:
+        return await asyncio.to_thread(_read_logs, mountpoint)
+
+    async with container(podman, image, config, volumes=volumes) as box:
+        # A new volume takes the image directory's owner and mode.
+        stat = await asyncio.to_thread(mountpoint.stat)
+        assert (stat.st_uid, stat.st_mode & 0o777) == (IMAGE_UID, 0o700), (
+            f"expected the volume at {RECORD_DIR} owned by uid {IMAGE_UID}, mode 0700 (the "
+            f"image's directory), got uid {stat.st_uid} mode {stat.st_mode & 0o777:o}")
+        works, record, killed = await _load_then_kill(box, fake, read_record)
+    async with container(podman, image, config, volumes=volumes) as again:
+        listening = time.monotonic()
+        quiet = await fake.watch.until(lambda: not any(w.running for w in works),
+                                       QUIET_AFTER_RESTART_S)
+        running = [w.engine_ids for w in works if w.running]
+        assert quiet, (
+            f"expected nothing running at the engine {QUIET_AFTER_RESTART_S} s after the "
+            f"restarted container listened, got {running}; stderr:\n{again.stderr}")
+        not_aborted = [w.engine_ids for w in works if set(w.aborted) != set(w.engine_ids)]
+        assert not not_aborted, (
+            f"expected every engine id the killed container left to be stopped by an abort, "
+            f"got these ended otherwise: {not_aborted}")
+        recovered = await _recovered(again.admin_port)
+        assert recovered == len(record) == len(LOAD), (
+            f'expected cancel_sidecar_recovered_requests_total{{reason="found_at_start"}} '
+            f"{len(LOAD)} (the requests the record named: {len(record)}), got {recovered}")
+        assert "left running by a dead sidecar process" in again.stderr, (
+            f"expected the restart to log what it aborts, got:\n{again.stderr}")
+        code, out = await again.podman_async("kill", "--signal", "TERM", again.name)
+        assert code == 0, f"expected podman kill -s TERM to work, got {code}: {out}"
+        code = await again.wait_exit()
+        assert code == 0, f"expected exit 0 after SIGTERM, got {code}; stderr:\n{again.stderr}"
+    left = await asyncio.to_thread(lambda: sorted(p.name for p in mountpoint.iterdir()))
+    stops = [w.stopped_at - listening for w in works if w.stopped_at is not None]
+    print(f"killed container -> restarted container listening {listening - killed:.2f} s; "
+          f"its {len(works)} requests stopped by aborts {min(stops) * 1000:+.0f} to "
+          f"{max(stops) * 1000:+.0f} ms from then; left in the volume after its clean exit: "
+          f"{left}", file=sys.stderr)
+    assert not left, f"expected the volume empty after the clean exit, got {left}"
+
+
+async def test_a_killed_container_s_work_runs_on_after_a_restart_without_the_volume(
+        podman: Podman, image: str, blind_engine: VLLMEngine, tmp_path: Path) -> None:
+    """The same without a volume: the record was written, inside the killed container, and is
+    gone with it; the new container aborts nothing and the engine runs the work on (the fake
+    engine runs a request nobody aborts for ``LINGER_S`` after its connection closed)."""
+    fake = blind_engine
+    config = _config(tmp_path, fake.url, _free_port())
+    async with container(podman, image, config) as box:
+
+        async def read_record() -> str:
+            code, out = await box.podman_async("exec", box.name, "sh", "-c",
+                                               f"cat {RECORD_DIR}/*.log")
+            assert code == 0, f"expected the record in {RECORD_DIR} to be readable, got {out}"
+            return out
+
+        works, record, killed = await _load_then_kill(box, fake, read_record)
+    assert len(record) == len(LOAD), f"expected {len(LOAD)} requests in the record, got {record}"
+    async with container(podman, image, config) as again:
+        listening = time.monotonic()
+        quiet = await fake.watch.until(lambda: not any(w.running for w in works),
+                                       QUIET_AFTER_RESTART_S)
+        elapsed = time.monotonic() - killed
+        assert elapsed < LINGER_S, (
+            f"expected the restart within {LINGER_S} s of the kill (the fake engine's limit on "
+            f"a request nobody aborts), took {elapsed:.1f} s: this check cannot tell")
+        assert not quiet and all(w.running for w in works), (
+            f"expected all {len(works)} requests still running at the engine "
+            f"{QUIET_AFTER_RESTART_S} s after a restart without the record, got "
+            f"{[(w.engine_ids, w.running) for w in works]}")
+        recovered = await _recovered(again.admin_port)
+        assert recovered == 0, f"expected nothing recovered, got {recovered}"
+    print(f"without the volume: killed container -> restarted container listening "
+          f"{listening - killed:.2f} s; {len(works)} requests still running "
+          f"{QUIET_AFTER_RESTART_S} s later", file=sys.stderr)
 
 
 def test_image_size(podman: Podman, image: str) -> None:

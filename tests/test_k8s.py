@@ -17,6 +17,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import shlex
 import shutil
 import subprocess
 import warnings
@@ -186,6 +187,18 @@ def _dockerfile_config_path() -> str:
     path = _flag(cmd, "--config")
     assert path, f"expected --config PATH in the Dockerfile's CMD, got {cmd}"
     return path
+
+
+def _dockerfile_env() -> dict[str, str]:
+    """The ``ENV KEY=VALUE ...`` of the Dockerfile's last stage (the image's environment)."""
+    stage = DOCKERFILE.rsplit("\nFROM ", 1)[-1]
+    env: dict[str, str] = {}
+    for line in re.findall(r"^ENV\s+(.*)$", re.sub(r"\\\n\s*", " ", stage), re.M):
+        for pair in shlex.split(line):
+            key, sep, value = pair.partition("=")
+            assert sep, f"expected ENV in KEY=VALUE form, got {pair!r}"
+            env[key] = value
+    return env
 
 
 def _engine_ports(settings: Settings) -> set[int]:
@@ -405,6 +418,36 @@ def test_config_mount_is_the_path_the_image_reads(rendered: Rendered) -> None:
     assert files == [expected], (
         f"expected ConfigMap {configmap} key sidecar.yaml mounted at {expected} (Dockerfile CMD), "
         f"got {files}")
+
+
+def test_the_record_of_in_flight_work_is_on_an_empty_dir(
+        rendered: Rendered, monkeypatch: pytest.MonkeyPatch) -> None:
+    """``lifecycle.record_dir`` as the container finds it (the config in the image's
+    environment: the Dockerfile's ENV, then the container's own env) is on a writable emptyDir,
+    which outlives a restart of the sidecar's container within the pod: the next start aborts
+    what the killed sidecar left (sidecar.inflight). The root is read-only: without the mount
+    no record is kept."""
+    sidecar = rendered.sidecar()
+    env = {**_dockerfile_env(), **{e["name"]: e["value"] for e in sidecar.get("env", [])
+                                   if "value" in e}}
+    assert "XDG_STATE_HOME" in env, (
+        f"expected the image (or the container) to set XDG_STATE_HOME, the record's default "
+        f"place (its user has no home directory), got {sorted(env)}")
+    monkeypatch.setenv("XDG_STATE_HOME", env["XDG_STATE_HOME"])
+    record_dir = rendered.settings().lifecycle.record_dir
+    assert record_dir is not None, "expected a record kept (lifecycle.record_dir not null)"
+    mounts = [m for m in sidecar.get("volumeMounts", [])
+              if Path(m["mountPath"]) in (record_dir, *record_dir.parents)]
+    assert mounts, (
+        f"expected a volume mounted at {record_dir} (lifecycle.record_dir) or above it, got "
+        f"{[m['mountPath'] for m in sidecar.get('volumeMounts', [])]}")
+    mount = max(mounts, key=lambda m: len(Path(m["mountPath"]).parts))  # the one that holds it
+    assert not mount.get("readOnly") and not mount.get("subPath"), (
+        f"expected {mount['mountPath']} writable and whole (no subPath), got {mount}")
+    volume = next(v for v in rendered.pod_spec()["volumes"] if v["name"] == mount["name"])
+    assert "emptyDir" in volume, (
+        f"expected volume {mount['name']} at {mount['mountPath']} to be an emptyDir (it "
+        f"outlives the container, not the pod), got {volume}")
 
 
 def test_sidecar_runs_non_root_read_only_without_privileges(rendered: Rendered) -> None:
