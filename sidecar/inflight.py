@@ -79,7 +79,9 @@ class InflightRecord:
         self._live: dict[int, bytes] = {}  # seq -> its "+" line
         self._seq = 0
         self._written = 0
+        self._compact_at = COMPACT_BYTES  # written bytes that start the next compaction
         self._failed = False
+        self._engines: dict[tuple[str, str], str] = {}  # (name, url) -> its JSON, up to "ids"
 
     @classmethod
     def open(cls, directory: Path) -> InflightRecord:
@@ -105,10 +107,16 @@ class InflightRecord:
         """Write that a request's body went whole to its engines (``(name, url, ids)`` each;
         ``sent_at``: ``time.monotonic()``); returns its sequence number for :meth:`done`."""
         self._seq = seq = self._seq + 1
-        line = b"+%d %s\n" % (seq, json.dumps(
-            {"sidecar_id": sidecar_id, "at": time.time(), "sent_at": sent_at,
-             "engines": [{"name": n, "url": u, "ids": ids} for n, u, ids in engines]},
-            separators=(",", ":")).encode())
+        parts = []
+        for name, url, ids in engines:
+            head = self._engines.get((name, url))
+            if head is None:
+                head = self._engines[name, url] = json.dumps(
+                    {"name": name, "url": url}, separators=(",", ":"))[:-1] + ',"ids":'
+            parts.append(head + json.dumps(ids) + "}")  # the default encoder: the fast one
+        # sidecar_id: a uuid4 hex (sidecar.proxy), nothing to escape; floats: repr, valid JSON.
+        line = (f'+{seq} {{"sidecar_id":"{sidecar_id}","at":{time.time()!r},'
+                f'"sent_at":{sent_at!r},"engines":[{",".join(parts)}]}}\n').encode()
         self._live[seq] = line
         self._write(line)
         return seq
@@ -118,7 +126,7 @@ class InflightRecord:
         known)."""
         if self._live.pop(seq, None) is not None:
             self._write(b"-%d\n" % seq)
-            if self._written > COMPACT_BYTES:
+            if self._written > self._compact_at:
                 self._compact()
 
     @property
@@ -162,6 +170,8 @@ class InflightRecord:
         os.close(self._fd)
         self._fd = fd
         self._written = len(data)
+        # Past twice what is live: a compaction's cost stays proportional to what it drops.
+        self._compact_at = max(COMPACT_BYTES, 2 * len(data))
 
     def close(self) -> None:
         """At a clean exit (nothing in flight, or what is left was aborted): remove the files."""
