@@ -140,6 +140,8 @@ async def start_sidecar(log_dir: Path, engine_port: int, workers: int,
     }))
     proc = await _spawn(name, [sys.executable, "-m", "sidecar", "--config", str(config),
                                "--workers", str(workers)], log_dir)
+    # The ready line (sidecar.server.ReadyLine): text here (log_format above); its JSON form's
+    # msg holds the same text, so the search finds it in either.
     proc.port = int((await _wait_line(proc, r"cancel-sidecar: proxy on 127\.0\.0\.1:(\d+)"))[1])
     return proc
 

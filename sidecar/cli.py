@@ -33,7 +33,7 @@ from sidecar import app, server, workers
 from sidecar.config import Settings, load_config, warn_open_cancel_api
 from sidecar.errors import ConfigError, ListenError
 from sidecar.keys import RUNTIME, TASKS
-from sidecar.logs import configure_logging
+from sidecar.logs import LogFormat, configure_logging
 from sidecar.readiness import startup_check
 
 log = logging.getLogger("sidecar")
@@ -96,11 +96,12 @@ def _reload(path: Path, apply: Callable[[Settings], tuple[list[str], list[str]]]
              "; ".join(applied) if applied else "no change applies to requests")
 
 
-async def _serve(settings: Settings, config: Path, worker_port: int | None = None,
-                 worker_control: Path | None = None) -> None:
+async def _serve(settings: Settings, config: Path, log_format: LogFormat,
+                 worker_port: int | None = None, worker_control: Path | None = None) -> None:
     """One process: the proxy and admin listeners, or (``worker_port``) a supervised worker's
     proxy listener on that port with SO_REUSEPORT, and its control listener on the Unix socket
-    ``worker_control`` (the cancel API, for the supervisor)."""
+    ``worker_control`` (the cancel API, for the supervisor). Once they listen, the ready line
+    (:class:`~sidecar.server.ReadyLine`) goes to stdout in ``log_format``."""
     worker = worker_port is not None
     try:
         servers = await server.start(settings, port=worker_port, reuse_port=worker,
@@ -125,13 +126,11 @@ async def _serve(settings: Settings, config: Path, worker_port: int | None = Non
         warn_open_cancel_api(settings, port=servers.admin_port)
     check = None if worker else servers.app[TASKS].spawn(
         startup_check(servers.admin, servers.app[RUNTIME]), name="engine startup check")
-    if worker:
-        print(f"cancel-sidecar worker: proxy on {settings.listen.host}:{servers.proxy_port}",
-              flush=True)
-    else:
-        print(f"cancel-sidecar: proxy on {settings.listen.host}:{servers.proxy_port}"
-              + (f", admin on {settings.admin.host}:{servers.admin_port}"
-                 if settings.admin else ""), flush=True)
+    admin = settings.admin
+    print(server.ReadyLine(
+        f"{settings.listen.host}:{servers.proxy_port}",
+        f"{admin.host}:{servers.admin_port}" if admin is not None and not worker else None,
+        worker).render(log_format), flush=True)
     await stop.wait()
     if check is not None:
         check.cancel("sidecar stopping")
@@ -154,7 +153,8 @@ def main(argv: list[str] | None = None) -> int:
     if level not in ("DEBUG", "INFO", "WARNING", "ERROR"):
         print(f"--log-level: unknown level {level!r}", file=sys.stderr)
         return 2
-    configure_logging(level, args.log_format or settings.log_format)
+    log_format: LogFormat = args.log_format or settings.log_format
+    configure_logging(level, log_format)
     with asyncio.Runner(loop_factory=uvloop.new_event_loop) as runner:
         if args.workers > 1 and args.worker_port is None:
             worker_args: list[str] = []
@@ -164,11 +164,12 @@ def main(argv: list[str] | None = None) -> int:
                 worker_args += ["--log-format", args.log_format]
             return runner.run(workers.Supervisor(
                 settings, args.config, args.workers, worker_args,
-                lambda: read_new_config(args.config)).run())
+                lambda: read_new_config(args.config), log_format=log_format).run())
         try:
-            runner.run(_serve(settings, args.config, args.worker_port, args.worker_control))
+            runner.run(_serve(settings, args.config, log_format, args.worker_port,
+                              args.worker_control))
         except ListenError as exc:
-            print(f"cancel-sidecar: {exc}", file=sys.stderr)
+            log.error("%s", exc)  # in the log format, as the supervisor's bind errors
             return 1
     return 0
 

@@ -29,16 +29,25 @@ every ``GC_YOUNG_THRESHOLD`` net allocations instead of 700. Measured with 1,000
 events (``tests/load/relay_cost.py``): the longest collection pause fell from 70-86 ms to
 21-38 ms, and the collector's total time from ~340 ms to ~50 ms per 301,000 events relayed.
 Nothing else changes: cycles are still collected, only less often.
+
+The ready line (:class:`ReadyLine`): once it listens, the sidecar writes one line on stdout with
+its bound addresses, in its log format: ``cancel-sidecar: proxy on HOST:PORT, admin on
+HOST:PORT`` (text), or a JSON object shaped like its log lines whose ``msg`` is that text
+(json). Scripts, the ``--workers`` supervisor (a worker's own line: ``cancel-sidecar worker:
+proxy on HOST:PORT``) and the test harnesses read it with :meth:`ReadyLine.parse`.
 """
 
 from __future__ import annotations
 
 import asyncio
 import gc
+import json
 import logging
+import re
 import time
 from contextlib import suppress
 from dataclasses import dataclass
+from datetime import UTC, datetime
 from pathlib import Path
 
 from aiohttp import web
@@ -49,6 +58,7 @@ from sidecar.cancel import CONTROL_IDLE_S, local_canceller
 from sidecar.config import Settings
 from sidecar.downstream import DownstreamRunner, DownstreamServer
 from sidecar.keys import EXCHANGES, RUNTIME
+from sidecar.logs import LogFormat
 
 log = logging.getLogger(__name__)
 
@@ -60,6 +70,85 @@ SHUTDOWN_TIMEOUT_S = 1.0
 STOP_QUIET_TURNS = 5
 STOP_SETTLE_S = 0.5
 GC_YOUNG_THRESHOLD = 10_000  # net allocations between young collections (CPython's default: 700)
+
+
+_READY_TEXT = re.compile(r"cancel-sidecar(?P<worker> worker)?: proxy on (?P<proxy>\S+?)"
+                         r"(?:, admin on (?P<admin>\S+))?")
+_READY_EVENTS = {"ready": False, "worker_ready": True}  # JSON event -> worker
+
+
+def _port(address: str) -> int | None:
+    """The port of ``HOST:PORT`` (an IPv6 host unbracketed, as the line prints it), or None."""
+    port = address.rpartition(":")[2]
+    return int(port) if port.isdigit() and ":" in address else None
+
+
+@dataclass(frozen=True)
+class ReadyLine:
+    """What the ready line says: ``proxy`` and ``admin`` as ``HOST:PORT`` (``admin`` None
+    without an admin listener, and for a worker), ``worker``: a ``--workers`` worker's line,
+    read by its supervisor.
+
+    Text: ``cancel-sidecar: proxy on 127.0.0.1:8080, admin on 127.0.0.1:9090``; JSON: the
+    log lines' ``ts``, ``level``, ``logger`` and ``msg`` (the text form, so a reader that
+    searches for it finds it in either format), then ``event`` (``ready``, ``worker_ready``),
+    ``proxy`` and ``admin``::
+
+        {"ts": "2026-12-04T12:00:00.000Z", "level": "INFO", "logger": "sidecar",
+         "msg": "cancel-sidecar: proxy on 127.0.0.1:8080, admin on 127.0.0.1:9090",
+         "event": "ready", "proxy": "127.0.0.1:8080", "admin": "127.0.0.1:9090"}
+    """
+
+    proxy: str
+    admin: str | None = None
+    worker: bool = False
+
+    @property
+    def proxy_port(self) -> int:
+        port = _port(self.proxy)
+        assert port is not None, self.proxy  # parse() and the listeners give a port
+        return port
+
+    @property
+    def admin_port(self) -> int | None:
+        return None if self.admin is None else _port(self.admin)
+
+    def text(self) -> str:
+        who = "cancel-sidecar worker" if self.worker else "cancel-sidecar"
+        return f"{who}: proxy on {self.proxy}" + (
+            f", admin on {self.admin}" if self.admin is not None else "")
+
+    def render(self, fmt: LogFormat) -> str:
+        """The line in log format ``fmt``, without its newline."""
+        if fmt == "text":
+            return self.text()
+        stamp = datetime.now(UTC).isoformat(timespec="milliseconds").removesuffix("+00:00")
+        return json.dumps({"ts": stamp + "Z", "level": "INFO", "logger": "sidecar",
+                           "msg": self.text(),
+                           "event": "worker_ready" if self.worker else "ready",
+                           "proxy": self.proxy, "admin": self.admin}, ensure_ascii=False)
+
+    @classmethod
+    def parse(cls, line: str) -> ReadyLine | None:
+        """The ready line ``line`` says, in either format; None if it is none."""
+        line = line.strip()
+        if line.startswith("{"):
+            try:
+                fields = json.loads(line)
+            except ValueError:
+                return None
+            if not isinstance(fields, dict) or fields.get("event") not in _READY_EVENTS:
+                return None
+            proxy, admin = fields.get("proxy"), fields.get("admin")
+            worker = _READY_EVENTS[fields["event"]]
+        elif match := _READY_TEXT.fullmatch(line):
+            proxy, admin, worker = match["proxy"], match["admin"], bool(match["worker"])
+        else:
+            return None
+        if not isinstance(proxy, str) or _port(proxy) is None or not (
+                admin is None or (isinstance(admin, str) and _port(admin) is not None)):
+            return None
+        return cls(proxy, admin, worker)
 
 
 @dataclass

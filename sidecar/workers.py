@@ -17,9 +17,10 @@ supervisor's admin listener; the control listeners have none.
 
 The supervisor binds the proxy address itself first (SO_REUSEPORT, not listening) so that a
 configured port 0 becomes one real port every worker shares, and holds it until every worker
-listens; the kernel then spreads new connections across the workers. Each worker prints
-``cancel-sidecar worker: proxy on HOST:PORT`` on its stdout when it listens; the supervisor then
-prints the same ready line as a single process.
+listens; the kernel then spreads new connections across the workers. Each worker prints its
+ready line (``cancel-sidecar worker: proxy on HOST:PORT``, or its JSON form: the log format,
+:class:`~sidecar.server.ReadyLine`) on its stdout when it listens; the supervisor then prints the
+same ready line as a single process.
 
 Signals: SIGTERM/SIGINT and SIGHUP are forwarded to every worker (each drains, or reloads the
 file, on its own); SIGHUP also reloads the supervisor's engines for ``/readyz``. The startup check
@@ -47,7 +48,6 @@ import asyncio
 import ctypes
 import logging
 import os
-import re
 import shutil
 import signal
 import socket
@@ -69,9 +69,11 @@ from sidecar.app import ABORT_DRAIN_S, make_admin_app
 from sidecar.cancel import WorkerCanceller
 from sidecar.config import Settings, warn_open_cancel_api
 from sidecar.downstream import DownstreamRunner
+from sidecar.logs import LogFormat
 from sidecar.metrics import Metrics
 from sidecar.readiness import startup_check
 from sidecar.runtime import Runtime, Runtimes, describe_changes
+from sidecar.server import ReadyLine
 from sidecar.tasks import TaskSet
 
 log = logging.getLogger(__name__)
@@ -106,7 +108,6 @@ def die_with_supervisor() -> None:
     if expected and os.getppid() != expected:  # it died before the prctl took effect
         os.kill(os.getpid(), signal.SIGTERM)
 UNIX_PATH_MAX = 107  # bytes in a Unix socket path (Linux sun_path: 108 with the final NUL)
-WORKER_READY = re.compile(r"cancel-sidecar worker: proxy on (.+):(\d+)$")
 
 
 def reserve_port(host: str, port: int) -> socket.socket:
@@ -129,8 +130,10 @@ class Supervisor:
     """Starts, signals and reaps the workers; serves the admin listener."""
 
     def __init__(self, settings: Settings, config: Path, workers: int,
-                 worker_args: list[str], reload: Callable[[], Settings | None]) -> None:
+                 worker_args: list[str], reload: Callable[[], Settings | None], *,
+                 log_format: LogFormat) -> None:
         self.settings = settings
+        self.log_format = log_format  # of the ready line (the workers' own come in either)
         self.config = config
         self.count = workers
         self.worker_args = worker_args
@@ -208,9 +211,10 @@ class Supervisor:
         for sig in (signal.SIGTERM, signal.SIGINT):
             loop.add_signal_handler(sig, self._stop)
         loop.add_signal_handler(signal.SIGHUP, self._hup, runtimes)
-        print(f"cancel-sidecar: proxy on {self.settings.listen.host}:{port}"
-              + (f", admin on {self.settings.admin.host}:{admin_port}"
-                 if self.settings.admin else ""), flush=True)
+        where = self.settings.admin
+        print(ReadyLine(f"{self.settings.listen.host}:{port}",
+                        f"{where.host}:{admin_port}" if where is not None else None
+                        ).render(self.log_format), flush=True)
         log.info("%d workers (pids %s) serving %s:%d", self.count,
                  ", ".join(str(p.pid) for p in self.procs), self.settings.listen.host, port)
         try:
@@ -296,7 +300,8 @@ class Supervisor:
             line = (await asyncio.wait_for(proc.stdout.readline(), READY_S)).decode()
         except TimeoutError:
             line = ""
-        if not WORKER_READY.match(line.strip()):
+        ready = ReadyLine.parse(line)
+        if ready is None or not ready.worker:
             log.error("worker %d did not start (printed %r, exit status %s)", proc.pid,
                       line, proc.returncode)
             return False

@@ -1,14 +1,14 @@
 """The real ``python -m sidecar`` as a subprocess, for tests that send it signals.
 
 :func:`cli_process` writes the config, starts the CLI, reads its ready line
-(``cancel-sidecar: proxy on HOST:PORT, admin on HOST:PORT``) and yields a :class:`CliProcess`
+(:class:`sidecar.server.ReadyLine`, text or JSON as the config's ``log_format`` says) and
+yields a :class:`CliProcess`
 whose stderr is read as it comes, so a test can await a log line instead of sleeping.
 """
 
 from __future__ import annotations
 
 import asyncio
-import re
 import signal
 import sys
 import time
@@ -19,6 +19,8 @@ from typing import Any
 
 import psutil
 import yaml
+
+from sidecar.server import ReadyLine
 
 REPO = Path(__file__).resolve().parent.parent
 READY_S = 30.0  # how long the CLI may take to print its ready line
@@ -113,11 +115,11 @@ async def cli_process(tmp_path: Path, tree: dict[str, Any], *args: str
     try:
         assert proc.stdout is not None
         line = (await asyncio.wait_for(proc.stdout.readline(), READY_S)).decode()
-        match = re.match(r"cancel-sidecar: proxy on \S+:(\d+), admin on \S+:(\d+)$",
-                         line.strip())
-        assert match, (f"expected the 'proxy on HOST:PORT, admin on HOST:PORT' line, got "
-                       f"{line!r}; stderr:\n{cli.stderr}")
-        cli.proxy_port, cli.admin_port = int(match[1]), int(match[2])
+        ready = ReadyLine.parse(line)
+        assert ready is not None and ready.admin_port is not None, (
+            f"expected the ready line with a proxy and an admin address, got {line!r}; "
+            f"stderr:\n{cli.stderr}")
+        cli.proxy_port, cli.admin_port = ready.proxy_port, ready.admin_port
         yield cli
     finally:
         if proc.returncode is None:

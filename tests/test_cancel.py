@@ -30,7 +30,7 @@ import aiohttp
 import pytest
 import yaml
 
-from sidecar.server import Servers
+from sidecar.server import ReadyLine, Servers
 from tests.conftest import sidecar_settings
 from tests.fake_engine import FakeEngine
 from tests.support import (
@@ -301,11 +301,10 @@ async def cli_sidecar(tmp_path: Path, engine: FakeEngine) -> AsyncIterator[tuple
         try:
             assert proc.stdout is not None
             line = (await asyncio.wait_for(proc.stdout.readline(), 30)).decode()
-            match = re.match(r"cancel-sidecar: proxy on 127\.0\.0\.1:(\d+), "
-                             r"admin on 127\.0\.0\.1:(\d+)", line)
-            assert match, (f"expected the 'proxy on HOST:PORT' line, got {line!r}; "
-                           f"stderr: {stderr_path.read_text()}")
-            yield int(match[1]), int(match[2]), stderr_path
+            ready = ReadyLine.parse(line)
+            assert ready is not None and ready.admin_port is not None, (
+                f"expected the ready line, got {line!r}; stderr: {stderr_path.read_text()}")
+            yield ready.proxy_port, ready.admin_port, stderr_path
         finally:
             if proc.returncode is None:
                 proc.send_signal(signal.SIGTERM)

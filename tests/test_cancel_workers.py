@@ -31,6 +31,7 @@ import psutil
 import pytest
 import yaml
 
+from sidecar.server import ReadyLine
 from tests import rawhttp
 from tests.cli_process import REPO, cli_process, config_tree
 from tests.fake_engine import FakeEngine, Generation
@@ -355,7 +356,8 @@ async def test_without_an_admin_listener_workers_get_no_control_socket(
     finally:
         proc.send_signal(signal.SIGTERM)
         code = await asyncio.wait_for(proc.wait(), WAIT_S)
-    assert line.startswith(b"cancel-sidecar: proxy on ") and b"admin" not in line, line
+    ready = ReadyLine.parse(line.decode())
+    assert ready is not None and not ready.worker and ready.admin is None, line
     assert len(args) == 2 and not any("--worker-control" in a for a in args), args
     assert unix == [], f"expected no Unix listener without an admin listener, got {unix}"
     assert code == 0, f"expected exit 0, got {code}"

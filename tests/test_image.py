@@ -37,6 +37,7 @@ import pytest
 import yaml
 from prometheus_client.parser import text_string_to_metric_families
 
+from sidecar.server import ReadyLine
 from tests.fake_engine import FakeEngine, flood_sha256
 from tests.kind_engines import LINGER_S, VLLMEngine, Work
 
@@ -205,11 +206,11 @@ async def container(podman: Podman, image: str, config: Path, *, env: dict[str, 
                 line = (await asyncio.wait_for(proc.stdout.readline(), READY_S)).decode()
             except TimeoutError:
                 line = ""
-            match = re.match(r"cancel-sidecar: proxy on \S+:(\d+), admin on \S+:(\d+)$",
-                             line.strip())
-            assert match, (f"expected the container's 'proxy on HOST:PORT, admin on HOST:PORT' "
-                           f"line within {READY_S} s, got {line!r}; stderr:\n{box.stderr}")
-            box.proxy_port, box.admin_port = int(match[1]), int(match[2])
+            ready = ReadyLine.parse(line)
+            assert ready is not None and ready.admin_port is not None, (
+                f"expected the container's ready line (proxy and admin addresses) within "
+                f"{READY_S} s, got {line!r}; stderr:\n{box.stderr}")
+            box.proxy_port, box.admin_port = ready.proxy_port, ready.admin_port
         yield box
     finally:
         if proc.returncode is None:

@@ -4,8 +4,9 @@ after it stopped.
 By default every record is one JSON object per line, and every request gets exactly one access
 line (``msg: "request"``), written once the request and its abort call are both done
 (:mod:`sidecar.logs`). ``--log-format text`` / ``log_format: text`` gives readable lines with
-the same facts. No run ever logs a secret: not the abort key, not a client's ``Authorization``
-header, not a query string.
+the same facts. Every line on stdout is in the log format too: the one ready line
+(:class:`sidecar.server.ReadyLine`), a JSON object like the log lines by default. No run ever
+logs a secret: not the abort key, not a client's ``Authorization`` header, not a query string.
 """
 
 from __future__ import annotations
@@ -28,7 +29,7 @@ import yaml
 
 from sidecar.config import parse_config
 from sidecar.errors import ConfigError
-from sidecar.server import Servers
+from sidecar.server import ReadyLine, Servers
 from tests.conftest import sidecar_settings
 from tests.fake_engine import FakeEngine
 from tests.support import WAIT_S, Stalls, raw_client, request_body, wait_metric
@@ -87,11 +88,10 @@ async def cli(tmp_path: Path, engine: FakeEngine, *args: str,
         first = ""
         try:
             first = (await asyncio.wait_for(proc.stdout.readline(), CLI_GUARD_S)).decode()
-            match = re.match(r"cancel-sidecar: proxy on 127\.0\.0\.1:(\d+), "
-                             r"admin on 127\.0\.0\.1:(\d+)", first)
-            assert match, (f"expected the 'proxy on HOST:PORT' line, got {first!r}; "
-                           f"stderr: {stderr_path.read_text()}")
-            run = Cli(int(match[1]), int(match[2]))
+            ready = ReadyLine.parse(first)
+            assert ready is not None and ready.admin_port is not None, (
+                f"expected the ready line, got {first!r}; stderr: {stderr_path.read_text()}")
+            run = Cli(ready.proxy_port, ready.admin_port)
             yield run
         finally:
             if proc.returncode is None:
@@ -224,6 +224,58 @@ async def test_text_format_is_one_readable_line(engine: FakeEngine, tmp_path: Pa
     assert any("INFO sidecar.server proxy listening" in line for line in lines), (
         f"expected the startup line in the same text format, got {lines}")
     assert_no_secrets(run)
+
+
+@pytest.mark.parametrize("workers", ["1", "2"])
+@pytest.mark.parametrize("fmt", ["json", "text"])
+async def test_stdout_is_the_ready_line_in_the_log_format(
+        engine: FakeEngine, tmp_path: Path, fmt: str, workers: str) -> None:
+    """One pod stream carries stdout and stderr together: with JSON logs every line of both is a
+    JSON object (the ready line too, ``event: ready`` with both addresses, and its ``msg`` the
+    text form); with text logs the ready line is the text form. Under ``--workers`` the
+    supervisor prints it once (the workers' own lines are read by the supervisor)."""
+    async with cli(tmp_path, engine, "--workers", workers, log_format=fmt) as run:
+        pass
+    lines = run.stdout.splitlines()
+    text = (f"cancel-sidecar: proxy on 127.0.0.1:{run.port}, "
+            f"admin on 127.0.0.1:{run.admin}")
+    if fmt == "text":
+        assert lines == [text], f"expected the text ready line alone on stdout, got {lines}"
+        return
+    assert len(lines) == 1, f"expected the ready line alone on stdout, got {lines}"
+    record = json.loads(lines[0])
+    assert re.fullmatch(r"\d{4}-\d\d-\d\dT\d\d:\d\d:\d\d\.\d{3}Z", record.pop("ts")), record
+    assert record == {"level": "INFO", "logger": "sidecar", "msg": text, "event": "ready",
+                      "proxy": f"127.0.0.1:{run.port}", "admin": f"127.0.0.1:{run.admin}"}, (
+        record)
+    for line in run.stderr.splitlines():
+        try:
+            json.loads(line)
+        except ValueError:
+            raise AssertionError(f"expected only JSON lines on stderr, got {line!r}") from None
+
+
+@pytest.mark.parametrize("line", [
+    "cancel-sidecar: proxy on 127.0.0.1:8080, admin on 127.0.0.1:9090",
+    '{"ts": "2026-12-04T12:00:00.000Z", "level": "INFO", "logger": "sidecar", "msg": '
+    '"cancel-sidecar: proxy on 127.0.0.1:8080, admin on 127.0.0.1:9090", "event": "ready", '
+    '"proxy": "127.0.0.1:8080", "admin": "127.0.0.1:9090"}',
+])
+def test_the_ready_line_reads_the_same_in_either_format(line: str) -> None:
+    ready = ReadyLine.parse(line + "\n")
+    assert ready == ReadyLine("127.0.0.1:8080", "127.0.0.1:9090"), ready
+    assert ready is not None and (ready.proxy_port, ready.admin_port) == (8080, 9090), ready
+    assert ReadyLine.parse(ready.render("text")) == ready == ReadyLine.parse(
+        ready.render("json")), ready
+
+
+@pytest.mark.parametrize("line", [
+    "", "cancel-sidecar: proxy on 127.0.0.1", "cancel-sidecar: proxy on h:1, admin on h",
+    '{"event": "ready"}', '{"event": "started", "proxy": "h:1"}', "{not json",
+    '{"ts": "x", "level": "INFO", "logger": "sidecar", "msg": "proxy listening"}',
+])
+def test_other_lines_are_no_ready_line(line: str) -> None:
+    assert ReadyLine.parse(line) is None, line
 
 
 def test_log_format_config_is_validated() -> None:

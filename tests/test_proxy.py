@@ -28,7 +28,7 @@ import aiohttp
 import pytest
 import yaml
 
-from sidecar.server import Servers
+from sidecar.server import ReadyLine, Servers
 from tests import rawhttp
 from tests.conftest import sidecar_settings
 from tests.fake_engine import FakeEngine, gzip_body
@@ -443,10 +443,10 @@ async def test_cli_proxies_a_request(engine: FakeEngine, tmp_path: Path) -> None
         try:
             assert proc.stdout is not None
             line = (await asyncio.wait_for(proc.stdout.readline(), CLI_GUARD_S)).decode()
-            match = re.match(r"cancel-sidecar: proxy on 127\.0\.0\.1:(\d+)", line)
-            assert match, f"expected the 'proxy on HOST:PORT' line, got {line!r}"
+            ready = ReadyLine.parse(line)
+            assert ready is not None, f"expected the ready line, got {line!r}"
             async with asyncio.timeout(GUARD_S):
-                resp = await rawhttp.exchange(int(match.group(1)), post_json(
+                resp = await rawhttp.exchange(ready.proxy_port, post_json(
                     "/v1/chat/completions?tokens=3", {"stream": True}))
             events = sse_events(resp.body)
             assert resp.status == 200 and len(events) == 4 and events[-1] == b"data: [DONE]", (
