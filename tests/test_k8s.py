@@ -14,6 +14,7 @@ argument parser when vLLM is installed. Skipped as a module without kubectl.
 
 from __future__ import annotations
 
+import copy
 import json
 import os
 import re
@@ -520,3 +521,24 @@ def test_vllm_accepts_the_container_args(native: Rendered) -> None:
     got = (parsed.enable_scale_out, parsed.host, parsed.port)
     expected = (True, "127.0.0.1", int(_flag(args, "--port") or VLLM_DEFAULT_PORT))
     assert got == expected, f"expected vLLM to parse {expected} from {args}, got {got}"
+
+
+def test_only_the_deployment_and_service_labelled_for_it_are_patched(
+        tmp_path: Path) -> None:
+    """The patch's targets are the label ``cancel-sidecar/inject: "true"``: a second vLLM
+    Deployment and Service without it, in the same kustomization, come out as they went in."""
+    other = [copy.deepcopy(doc) for doc in _sample()]
+    for doc in other:
+        doc["metadata"]["name"] = "other"
+        del doc["metadata"]["labels"]["cancel-sidecar/inject"]
+    shutil.copy(SAMPLE, tmp_path / "vllm.yaml")
+    (tmp_path / "other.yaml").write_text(yaml.safe_dump_all(other))
+    component = os.path.relpath(K8S / "patch", tmp_path)
+    (tmp_path / "kustomization.yaml").write_text(
+        f"resources: [vllm.yaml, other.yaml]\ncomponents: [{component}]\n")
+    docs = kustomize(tmp_path)
+    by_name = {(d["kind"], d["metadata"]["name"]): d for d in docs}
+    for doc in other:
+        assert by_name[doc["kind"], "other"] == doc, f"unlabelled {doc['kind']} was changed"
+    patched = by_name["Deployment", "vllm"]["spec"]["template"]["spec"]
+    assert [c["name"] for c in patched.get("initContainers", [])] == ["cancel-sidecar"]

@@ -33,7 +33,7 @@ def _promtool(*args: str) -> str:
 @needs_promtool
 def test_alert_rules_pass_promtool_check() -> None:
     out = _promtool("check", "rules", "alerts.yaml")
-    assert "SUCCESS: 10 rules found" in out, f"expected 10 rules, got:\n{out}"
+    assert "SUCCESS: 11 rules found" in out, f"expected 11 rules, got:\n{out}"
 
 
 @needs_promtool

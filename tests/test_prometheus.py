@@ -312,7 +312,7 @@ async def _check_counters(prom: Prometheus) -> None:
 async def _check_rules_and_alerts(prom: Prometheus) -> None:
     rules = await prom.rules()
     health = [(r["name"], r["health"], r.get("lastError")) for r in rules]
-    assert len(rules) == 10 and all(h == "ok" for _, h, _ in health), (
+    assert len(rules) == 11 and all(h == "ok" for _, h, _ in health), (
         f"expected 10 healthy rules, got {health}")
     # Rules are evaluated every second; the alerts this script provokes appear within a few.
     want = {("CancelSidecarRequestsNotAborted", "flaky"), ("CancelSidecarEngineNotReady", "flaky"),
