@@ -240,6 +240,11 @@ class Exchange:
             return await self._refuse_body(exc)
 
         started = self.sent_at = time.monotonic()
+        if self.record is not None:
+            if self.body.complete:  # in memory already (no body, a rewritten one)
+                self._write_record()
+            else:  # written once its last byte goes upstream, just before that write
+                self.body.on_sent = self._write_record
         try:
             upstream = await open_upstream(
                 self.runtime.pool, settings, request.method, engine.base_url,
@@ -334,19 +339,14 @@ class Exchange:
 
     def _sent(self, response: UpstreamResponse) -> None:
         self.sending = response
-        body = self.body
-        if self.record is not None and not self.record_seq and body is not None:
-            if body.complete:
-                self._write_record()
-            else:  # the rest of the body is still being relayed
-                body.on_sent = self._write_record
 
     def _write_record(self) -> None:
         """Write this request's engine work in the record of in-flight work
-        (:mod:`sidecar.inflight`) now that the engine has its whole body, and its end when the
-        request is over (:attr:`RequestLog.over`). Only a plan :meth:`_prepare_abort` would
-        prepare is written: nothing kept after a disconnect (a background response), nothing
-        unabortable, and no ``abort_from_header`` target."""
+        (:mod:`sidecar.inflight`) as its whole body goes to the engine (just before the write
+        that completes it), and its end when the request is over (:attr:`RequestLog.over`).
+        Only a plan :meth:`_prepare_abort` would prepare is written: nothing kept after a
+        disconnect (a background response), nothing unabortable, and no ``abort_from_header``
+        target."""
         assert self.record is not None
         plan = self._derived_plan()
         if not plan or self.record_seq or self.noticed_at is not None:

@@ -118,7 +118,8 @@ class RequestBody:
         # time.monotonic() when the last byte was handed upstream (None: complete from the
         # start, e.g. in memory; it goes out when the upstream request is sent)
         self.sent_at: float | None = None
-        self.on_sent: Callable[[], None] | None = None  # told when the last byte went upstream
+        # Told when the last byte goes upstream (a whole body: just before its write).
+        self.on_sent: Callable[[], None] | None = None
 
     @classmethod
     def of(cls, body: bytes) -> RequestBody:
@@ -266,14 +267,17 @@ async def _attempt(pool: UpstreamPool, engine: Origin, method: str, target: str,
         framing = f"Content-Length: {sum(map(len, parts))}"
     chunked = framing is not None and framing.startswith("Transfer")
     head = request_head(method, target, engine, headers, framing)
+    if whole:
+        # Before the write: the record of in-flight work (RequestBody.on_sent) names the
+        # request before the engine can have it, so a process killed in between leaves none
+        # unnamed (a name the engine never had is ignored).
+        body.sent()
     response = connection.send(head, [chunk_frame(p) for p in parts] if chunked else parts,
                                head_only=method == "HEAD")
     written = time.monotonic()
     if sent is not None:
         sent(response)
-    if whole:
-        body.sent()
-    else:
+    if not whole:
         response.uploading = pool.tasks.spawn(_upload(connection, response, body, chunked),
                                               name=f"request body to {engine}")
     try:
