@@ -41,6 +41,7 @@ import typing
 from collections.abc import Hashable, Mapping
 from pathlib import Path
 from typing import Annotated, Any, Literal
+from urllib.parse import urlsplit
 
 import yaml
 from pydantic import (
@@ -672,6 +673,38 @@ def _abort_without_endpoint(engines: Any) -> list[ConfigProblem]:
     return problems
 
 
+_LOOPBACK = frozenset({"127.0.0.1", "localhost", "::1", "0.0.0.0", "::"})
+
+
+def _loops(engines: Any, listen: Any) -> list[ConfigProblem]:
+    """An engine url that is the sidecar's own proxy listener (a loop: every request would come
+    back in), located at ``engines.NAME.url``. Loopback names and the wildcard count as one
+    host: a sidecar listening on ``0.0.0.0:8080`` also answers ``127.0.0.1:8080``."""
+    listen = listen if isinstance(listen, dict) else {}
+    host, port = listen.get("host", Listener().host), listen.get("port", Listener().port)
+    if not isinstance(port, int) or isinstance(port, bool) or port == 0:
+        return []
+    problems = []
+    for name, engine in engines.items() if isinstance(engines, dict) else ():
+        url = engine.get("url") if isinstance(engine, dict) else None
+        try:
+            parts = urlsplit(url) if isinstance(url, str) else None
+            url_port = parts.port if parts is not None else None
+        except ValueError:
+            continue
+        if parts is None or (url_port is None and parts.scheme != "http"):
+            continue
+        url_host = (parts.hostname or "").lower()
+        same = url_host == str(host).lower() or (url_host in _LOOPBACK and (
+            str(host) in _LOOPBACK))
+        if same and (url_port or 80) == port:
+            problems.append(ConfigProblem(
+                f"engines.{name}.url", f"is the sidecar's own listener (listen: {host}:{port}): "
+                "every request would come back into the sidecar; write the engine's address "
+                "(vLLM listens on 8000 unless --port says otherwise)", repr(url)))
+    return problems
+
+
 def _no_engine(name: str, engines: Any) -> str:
     """What to say of ``name``, which names none of ``engines`` (their names): the closest
     defined name, if one is close (a typo), and every defined name."""
@@ -726,7 +759,7 @@ def _header_template(i: int, section: Any, engines: Any) -> list[ConfigProblem]:
 def _cross_reference(raw: dict[str, Any]) -> list[ConfigProblem]:
     """Checks across sections, on the raw tree so they run even when the schema check failed."""
     engines = raw.get("engines")
-    problems = _abort_without_endpoint(engines)
+    problems = _abort_without_endpoint(engines) + _loops(engines, raw.get("listen"))
     routes = raw.get("routes")
     names = set(engines) if isinstance(engines, dict) else None
     seen: dict[str, int] = {}
@@ -908,8 +941,32 @@ def _schema_problems(exc: ValidationError, unset: set[str]) -> list[ConfigProble
             # pydantic says "relative URL without a base" (127.0.0.1:8000), or takes the host
             # for a scheme (vllm:8000)
             message = "has no scheme: write it as http://HOST:PORT (or https://HOST:PORT)"
+        if err["type"] == "enum" and err["loc"][-1] == "kind" and isinstance(err["input"], str):
+            message += _kind_hint(err["input"])
         problems.append(ConfigProblem(loc, message, value))
     return problems
+
+
+# Servers people name as a kind that have no adapter of their own: OpenAI-compatible, no abort
+# endpoint the sidecar knows (engine/openai.py: close-only).
+_OPENAI_SERVERS = frozenset({"tgi", "text-generation-inference", "llamacpp", "llama.cpp",
+                             "llama-cpp", "llama_cpp", "llama-server", "ollama", "lmdeploy",
+                             "trtllm", "tensorrt-llm", "litellm", "openai-compatible"})
+
+
+def _kind_hint(given: str) -> str:
+    """What to add to an unknown ``engines.NAME.kind``: the kind it spells in other case or
+    nearly (``vLLM``, ``sglnag``), or ``openai`` for an OpenAI-compatible server that has no
+    kind of its own (``tgi``, ``ollama``, ``llama.cpp``)."""
+    kinds = [k.value for k in EngineKind]
+    lower = given.strip().lower()
+    if lower in kinds:
+        return f"; did you mean '{lower}'? (kinds are lower case)"
+    if lower in _OPENAI_SERVERS:
+        return ("; an OpenAI-compatible server with no kind of its own is kind 'openai' (a "
+                "disconnect closes its upstream connection; nothing is aborted by id)")
+    close = difflib.get_close_matches(lower, kinds, n=1, cutoff=0.6)
+    return f"; did you mean '{close[0]}'?" if close else ""
 
 
 def _close_key(loc: tuple[int | str, ...]) -> str | None:

@@ -687,3 +687,34 @@ def test_check_config_prints_the_file_line_of_each_problem(tmp_path: Path) -> No
         "  - routes.0.engnie: line 7: unknown key (value not shown); check its spelling and "
         "section; did you mean 'engine'?",
     ], result.stderr
+
+
+@pytest.mark.parametrize(("kind", "hint"), [
+    ("vLLM", "did you mean 'vllm'? (kinds are lower case)"),
+    ("sglnag", "did you mean 'sglang'?"),
+    ("tgi", "an OpenAI-compatible server with no kind of its own is kind 'openai'"),
+    ("ollama", "an OpenAI-compatible server with no kind of its own is kind 'openai'"),
+])
+def test_an_unknown_kind_names_the_kind_meant(kind: str, hint: str) -> None:
+    text = problems_of(f"engines:\n  a: {{kind: {kind}, url: 'http://h:1'}}\n" + ROUTES)
+    assert "1 problem(s)" in text and "engines.a.kind: line 2: Input should be 'vllm', " in text
+    assert hint in text and f"(got '{kind}')" in text, text
+
+
+@pytest.mark.parametrize(("listen", "url"), [
+    ("{host: 0.0.0.0, port: 8080}", "http://127.0.0.1:8080"),
+    ("{host: 127.0.0.1, port: 9000}", "http://localhost:9000"),
+    ("{host: 10.0.0.5, port: 8080}", "http://10.0.0.5:8080"),
+])
+def test_an_engine_url_that_is_the_sidecar_itself_is_a_loop(listen: str, url: str) -> None:
+    text = problems_of(f"listen: {listen}\nengines:\n  a: {{kind: vllm, url: '{url}'}}\n"
+                       + ROUTES)
+    assert "1 problem(s)" in text and (
+        "engines.a.url: line 3: is the sidecar's own listener") in text, text
+
+
+def test_an_engine_on_another_port_or_host_is_no_loop() -> None:
+    for listen, url in (("{host: 0.0.0.0, port: 8080}", "http://127.0.0.1:8000"),
+                        ("{host: 127.0.0.1, port: 8080}", "http://10.0.0.5:8080")):
+        parse_config(f"listen: {listen}\nengines:\n  a: {{kind: vllm, url: '{url}'}}\n"
+                     + ROUTES, "<test>", env={})
