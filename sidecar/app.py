@@ -194,10 +194,15 @@ async def _healthz(request: web.Request) -> web.Response:
 async def _readyz(request: web.Request) -> web.Response:
     """Ready (200) when every engine is healthy and its abort endpoint (if any) usable, checked
     concurrently within ``readiness.READY_TIMEOUT_S`` each; else 503 with what to fix per engine
-    (:mod:`sidecar.readiness`, the same check and hints as the startup check)."""
-    results = await request.app[READINESS].check()
+    (:mod:`sidecar.readiness`, the same check and hints as the startup check). An engine served
+    close-only is ready, and named under ``close_only`` with what to fix."""
+    readiness = request.app[READINESS]
+    results = await readiness.check()
     ready = all(v == OK for v in results.values())
-    return web.json_response({"ready": ready, "engines": results}, status=200 if ready else 503)
+    body: dict[str, object] = {"ready": ready, "engines": results}
+    if readiness.close_only:  # ready, but these cannot abort: what to fix
+        body["close_only"] = readiness.close_only
+    return web.json_response(body, status=200 if ready else 503)
 
 
 async def _metrics(request: web.Request) -> web.Response:

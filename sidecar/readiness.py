@@ -172,6 +172,12 @@ class Readiness:
         self._last, self._close_only = checked, close_only
         return results
 
+    @property
+    def close_only(self) -> dict[str, str]:
+        """Engines served close-only at the last check (``"ok"`` in its results), and why their
+        abort endpoint cannot be used: the hint that says what to fix."""
+        return {name: self._last[name].hint for name in sorted(self._close_only)}
+
     @staticmethod
     def _log_change(name: str, verdict: Verdict, close_only: bool, aborts: bool) -> None:
         if verdict.hint == OK:

@@ -117,8 +117,10 @@ async def test_close_only_serves_an_engine_that_cannot_abort_and_says_so(
                                                      when_unavailable="close_only"))
     for _ in range(2):  # a second probe changes nothing and logs nothing
         status, body = await _get(servers.admin_port, "/readyz")
-        assert (status, body) == (200, {"ready": True, "engines": {"local": "ok"}}), (
+        assert (status, body["ready"], body["engines"]) == (200, True, {"local": "ok"}), (
             f"expected 200 under close_only, got {status} {body}")
+        assert set(body["close_only"]) == {"local"} and "--enable-scale-out" in body[
+            "close_only"]["local"], f"expected what to fix under close_only, got {body}"
     assert await _gauges(servers.admin_port) == {READY: 1.0, UNAVAILABLE: 1.0}, (
         await _gauges(servers.admin_port))
     warnings = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]

@@ -158,8 +158,9 @@ async def test_close_only_is_re_checked_until_the_engine_can_abort(
         await cli.wait_log(f"engine local serving close-only: its abort endpoint is unusable "
                            f"({SCALE_OUT})", CHECK_S)
         status, body = await _readyz(cli)
-        assert (status, body) == (200, {"ready": True, "engines": {"local": "ok"}}), (
-            f"expected /readyz 200 under close_only, got {status} {body}")
+        assert (status, body) == (200, {"ready": True, "engines": {"local": "ok"},
+                                        "close_only": {"local": SCALE_OUT}}), (
+            f"expected /readyz 200 under close_only, naming what to fix, got {status} {body}")
         gauges = await metrics(cli.admin_port)
         assert sample(gauges, "cancel_sidecar_engine_abort_unavailable", engine="local") == 1, (
             gauges)
