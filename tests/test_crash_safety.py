@@ -12,8 +12,8 @@ the registration window when the kill lands). "Stopped" is read at the engine (`
   still being served; the other worker's streams reach their end byte-identical; new requests
   are answered throughout (a connection the kernel had queued for the dead worker's listening
   socket is reset before any answer, as with any SO_REUSEPORT server, and tried again: counted,
-  at most a quarter of the trials); a replacement serves within a few seconds; no id of a request whose
-  client had its whole answer before the kill is ever named.
+  at most a quarter of the trials); a replacement serves within a few seconds; no id of a
+  request whose client had its whole answer before the kill is ever named.
 - ``test_a_killed_sidecar_s_work_stops_after_its_restart`` (one process, and ``--workers 2``
   with its whole process group killed): SIGKILL at a random instant, 20 trials each, then the
   same config started again: 2 s after it listens nothing runs at the engine; what completed
