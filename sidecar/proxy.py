@@ -444,6 +444,8 @@ class Exchange:
         if upstream is not None and not self.upstream_finished:
             upstream.close()
             self.upstream_finished = True
+        if self.body is not None:  # a body never sent whole: no cycle left to the collector
+            self.body.on_sent = None
 
     def _abort_now(self, noticed_at: float, *, close_later: bool = False,
                    confirm: bool = True) -> None:

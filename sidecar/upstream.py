@@ -166,8 +166,11 @@ class RequestBody:
         if not self.complete:
             self.complete = True
             self.sent_at = time.monotonic()
-            if self.on_sent is not None:
-                self.on_sent()
+            # Told once, then dropped: the callback is the exchange's own method, and holding it
+            # would make the exchange and its body a cycle that only the collector frees.
+            on_sent, self.on_sent = self.on_sent, None
+            if on_sent is not None:
+                on_sent()
 
     async def rest(self) -> AsyncIterator[bytes]:
         """The rest of the body, as the client sends it (after :meth:`to_send`)."""

@@ -162,7 +162,7 @@ async def test_not_ready_when_the_server_is_unreachable(
 
 def _config(engine: dict[str, Any]) -> str:
     return yaml.safe_dump({"engines": {"local": {"kind": "openai",
-                                                 "url": "http://127.0.0.1:8080", **engine}},
+                                                 "url": "http://127.0.0.1:8090", **engine}},
                            "routes": [{"prefix": "/", "engine": "local"}]})
 
 
