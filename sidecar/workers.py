@@ -457,13 +457,11 @@ class _Replacements(Collector):
             "at an engine, aborted on its behalf (sidecar.inflight): reason worker_died (by the "
             "supervisor, --workers) or found_at_start (by the next start, before it listens).",
             labels=["engine", "reason"])
-        counts = self.supervisor.recovered
         runtimes = self.supervisor.runtimes
-        if runtimes is not None:  # exported from 0
-            for name, engine in runtimes.current.adapters.items():
-                for reason in ("worker_died", "found_at_start"):
-                    if engine.aborts and (name, reason) not in counts:
-                        counts[name, reason] = 0
+        adapters = runtimes.current.adapters if runtimes is not None else {}
+        counts = {(name, reason): 0 for name, engine in adapters.items() if engine.aborts
+                  for reason in ("worker_died", "found_at_start")}  # exported from 0
+        counts.update(self.supervisor.recovered)
         for (name, reason), count in sorted(counts.items()):
             recovered.add_metric([name, reason], count)
         yield recovered

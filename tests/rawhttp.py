@@ -129,3 +129,18 @@ async def exchange(port: int, raw_request: bytes, method: str = "GET") -> RawRes
         while 100 <= head.status < 200:
             head = await read_head(reader)
         return await read_body(reader, head, method)
+
+
+def dechunk(raw: bytes) -> bytes:
+    """A chunked HTTP/1.1 body (the response head first, if any) without its framing: the
+    data of every chunk up to the terminating 0-chunk (chunk extensions ignored)."""
+    if raw.startswith(b"HTTP/") and b"\r\n\r\n" in raw:
+        raw = raw.partition(b"\r\n\r\n")[2]
+    out = b""
+    while raw:
+        size_line, _, rest = raw.partition(b"\r\n")
+        size = int(size_line.split(b";")[0] or b"0", 16)
+        if size == 0:
+            break
+        out, raw = out + rest[:size], rest[size + 2:]
+    return out

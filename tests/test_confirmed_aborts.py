@@ -54,6 +54,7 @@ from sidecar.server import Servers
 from tests.cli_process import cli_process, config_tree
 from tests.fake_engine import FakeEngine
 from tests.kind_engines import VLLMEngine, Work, stream_bytes
+from tests.rawhttp import dechunk
 from tests.support import (
     API_KEY,
     FOREVER,
@@ -252,7 +253,7 @@ async def test_storm_behind_8_processes_through_the_cli(
         work = by_tag(fake, tag)
         assert work is not None and work.tag is not None
         expected = stream_bytes(work.tag, tokens)  # the engine's id: the sidecar's
-        assert _dechunk(body) == expected, f"{tag}: stream not byte-identical"
+        assert dechunk(body) == expected, f"{tag}: stream not byte-identical"
     named = {i for c in fake.calls for i in c.ids}
     ids = {t: w.engine_ids[0] for t in [*left, *(t for t, _ in kept)]
            if (w := by_tag(fake, t)) is not None}
@@ -276,17 +277,6 @@ def _raw_post(tag: str, query: str) -> bytes:
             f"Content-Type: application/json\r\nContent-Length: {len(body)}\r\n"
             f"Connection: close\r\n\r\n").encode() + body
 
-
-def _dechunk(raw: bytes) -> bytes:
-    _, _, body = raw.partition(b"\r\n\r\n")
-    out = b""
-    while body:
-        size_line, _, rest = body.partition(b"\r\n")
-        size = int(size_line, 16)
-        if size == 0:
-            break
-        out, body = out + rest[:size], rest[size + 2:]
-    return out
 
 
 async def test_registration_race_confirmed_with_fewer_calls(

@@ -39,6 +39,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from tests.cli_process import cli_process, config_tree
 from tests.kind_engines import VLLMEngine, stream_bytes
+from tests.rawhttp import dechunk
 
 pytestmark = pytest.mark.timeout(600)
 
@@ -246,7 +247,7 @@ async def test_a_killed_worker_s_work_stops_and_the_others_serve_on(
             assert chats, "expected streaming chats that reached their end"
             for c in chats:
                 work = works[c.tag]
-                assert _dechunk(c.body) == stream_bytes(str(work.tag), TOKENS), (
+                assert dechunk(c.body) == stream_bytes(str(work.tag), TOKENS), (
                     f"{c.tag}: its stream was changed")
             recovered = await metric(cli.admin_port, "cancel_sidecar_recovered_requests_total",
                                      reason="worker_died")
@@ -314,16 +315,3 @@ async def test_a_killed_sidecar_s_work_stops_after_its_restart(
           f"restart's listening (negative: before it): median {quiet_after[TRIALS // 2] * 1000:.0f}"
           f" ms, max {quiet_after[-1] * 1000:.0f} ms")
 
-
-def _dechunk(raw: bytes) -> bytes:
-    """An HTTP/1.1 response's chunked body, without the head and the framing."""
-    raw = raw.partition(b"\r\n\r\n")[2]
-    out = b""
-    while raw:
-        size_line, _, rest = raw.partition(b"\r\n")
-        size = int(size_line.split(b";")[0] or b"0", 16)
-        if size == 0:
-            break
-        out += rest[:size]
-        raw = rest[size + 2:]
-    return out

@@ -16,6 +16,8 @@ import signal
 import subprocess
 import sys
 import textwrap
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -41,20 +43,28 @@ WRITER = textwrap.dedent("""
 """)
 
 
-def test_a_live_writer_s_record_is_skipped_and_a_killed_one_s_read(tmp_path: Path) -> None:
-    proc = subprocess.Popen([sys.executable, "-c", WRITER, str(tmp_path)],
+@contextmanager
+def writer(script: str, directory: Path) -> Iterator[str]:
+    """Run ``script`` (a writer of a record in ``directory`` that prints the record's name,
+    then sleeps) in a process of its own; yields the name; SIGKILL at the end, as the OOM
+    killer would."""
+    proc = subprocess.Popen([sys.executable, "-c", script, str(directory)],
                             stdout=subprocess.PIPE, cwd=Path(__file__).parent.parent)
     try:
         assert proc.stdout is not None
-        name = proc.stdout.readline().decode().strip()
-        assert (tmp_path / f"{name}.lock").exists() and (tmp_path / f"{name}.log").exists()
-        assert list(orphans(tmp_path)) == [], "a live writer's record must be skipped"
-        assert (tmp_path / f"{name}.log").exists(), "a live writer's record must be left alone"
+        yield proc.stdout.readline().decode().strip()
     finally:
         proc.send_signal(signal.SIGKILL)
         proc.wait()
         if proc.stdout is not None:
             proc.stdout.close()
+
+
+def test_a_live_writer_s_record_is_skipped_and_a_killed_one_s_read(tmp_path: Path) -> None:
+    with writer(WRITER, tmp_path) as name:
+        assert (tmp_path / f"{name}.lock").exists() and (tmp_path / f"{name}.log").exists()
+        assert list(orphans(tmp_path)) == [], "a live writer's record must be skipped"
+        assert (tmp_path / f"{name}.log").exists(), "a live writer's record must be left alone"
     (found,) = list(orphans(tmp_path))
     assert found[0] == name
     assert sorted(o.sidecar_id for o in found[1]) == ["req2", "req3", "req4"], found
@@ -78,17 +88,8 @@ COMPACTING_WRITER = textwrap.dedent("""
 
 
 def test_compaction_keeps_the_live_lines_and_bounds_the_file(tmp_path: Path) -> None:
-    proc = subprocess.Popen([sys.executable, "-c", COMPACTING_WRITER, str(tmp_path)],
-                            stdout=subprocess.PIPE, cwd=Path(__file__).parent.parent)
-    try:
-        assert proc.stdout is not None
-        name = proc.stdout.readline().decode().strip()
+    with writer(COMPACTING_WRITER, tmp_path) as name:
         size = (tmp_path / f"{name}.log").stat().st_size
-    finally:
-        proc.send_signal(signal.SIGKILL)
-        proc.wait()
-        if proc.stdout is not None:
-            proc.stdout.close()
     assert size <= COMPACT_BYTES + 4096, f"expected the log compacted, it has {size} bytes"
     (found,) = list(orphans(tmp_path))
     assert sorted(o.sidecar_id for o in found[1]) == [f"kept{i}" for i in range(1, 10)]

@@ -23,6 +23,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from sidecar.workers import MAX_DEATHS
 from tests.cli_process import cli_process, config_tree
 from tests.fake_engine import FakeEngine, _sse
+from tests.rawhttp import dechunk
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -192,7 +193,7 @@ async def test_a_killed_worker_is_replaced_while_the_other_serves_on(
         if owner == victim.pid:
             assert b"[DONE]" not in rest, "a killed worker's stream must not claim success"
             continue
-        body = _dechunk(first + rest)
+        body = dechunk(first + rest)
         engine_id = json.loads(body.split(b"\n\n")[0].removeprefix(b"data: "))["id"]
         events = b"".join(_sse({"id": engine_id, "choices": [{"text": f"t{i}"}]})
                           for i in range(tokens)) + _sse("[DONE]")
@@ -221,16 +222,3 @@ async def test_a_crash_loop_stops_the_sidecar_with_exit_1(
         assert "crash loop" in cli.stderr, cli.stderr
     assert code == 1, f"expected exit 1 after a crash loop, got {code}"
 
-
-def _dechunk(raw: bytes) -> bytes:
-    """A chunked HTTP/1.1 body (the head first, if any) without its framing."""
-    if b"\r\n\r\n" in raw[:2048] and raw.startswith(b"HTTP/"):
-        raw = raw.partition(b"\r\n\r\n")[2]
-    out = b""
-    while raw:
-        size_line, _, rest = raw.partition(b"\r\n")
-        size = int(size_line.split(b";")[0] or b"0", 16)
-        if size == 0:
-            break
-        out, raw = out + rest[:size], rest[size + 2:]
-    return out
