@@ -115,11 +115,12 @@ class Load:
 
     def start(self, first: int) -> None:
         self.n = first
-        self._runner = asyncio.ensure_future(self._run())
+        self._runner = asyncio.get_running_loop().create_task(self._run(), name="load")
 
     async def _run(self) -> None:
         while True:
-            task = asyncio.ensure_future(one_client(self.port, self.n, self.rng, self.clients))
+            task = asyncio.get_running_loop().create_task(
+                one_client(self.port, self.n, self.rng, self.clients), name=f"load client {self.n}")
             self.tasks.add(task)
             task.add_done_callback(self.tasks.discard)
             self.n += 1
