@@ -18,7 +18,7 @@ An upgrade request (``Connection: Upgrade``: a WebSocket such as vLLM's ``/v1/re
 that flow after the route: ``tunnel.py`` relays the engine's ``101`` and then splices the two
 sockets byte for byte; either side's close or reset closes the other at once, never an abort.
 
-``config.py`` turns YAML into frozen settings; ``runtime.py`` turns settings into one swappable
+``config/`` turns YAML into frozen settings; ``runtime.py`` turns settings into one swappable
 generation (adapters, router, upstream pool; SIGHUP swaps it) and counts requests in flight;
 ``app.py`` builds the proxy and admin applications with their state under typed keys;
 ``server.py`` runs them as production does and drains them on SIGTERM; ``workers.py``
