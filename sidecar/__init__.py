@@ -18,11 +18,16 @@ An upgrade request (``Connection: Upgrade``: a WebSocket such as vLLM's ``/v1/re
 that flow after the route: ``tunnel.py`` relays the engine's ``101`` and then splices the two
 sockets byte for byte; either side's close or reset closes the other at once, never an abort.
 
+What the sidecar writes to a client itself (its JSON errors and refusals, the end of a request it
+cancels or times out) is built in ``replies.py``; the header names it reads and writes, and the
+hop-by-hop rewriting, are ``headers.py``'s.
+
 ``config/`` turns YAML into frozen settings; ``runtime.py`` turns settings into one swappable
 generation (adapters, router, upstream pool; SIGHUP swaps it) and counts requests in flight;
-``app.py`` builds the proxy and admin applications with their state under typed keys;
-``server.py`` runs them as production does and drains them on SIGTERM; ``workers.py``
-supervises ``--workers N`` processes on one port; ``cli.py`` is the ``cancel-sidecar`` command;
+``app.py`` builds the proxy and admin applications with their state under typed keys
+(``keys.py``, or beside the class a key types); ``server.py`` runs them as production does and
+drains them on SIGTERM; ``workers.py`` supervises ``--workers N`` processes on one port;
+``cli.py`` is the ``cancel-sidecar`` command;
 ``cancel.py`` is the admin listener's cancel API (the same abort path, asked by an operator);
 ``readiness.py`` checks that each engine answers and can abort (``/readyz`` and the startup
 check), saying what to fix.

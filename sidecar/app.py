@@ -1,8 +1,9 @@
 """The two aiohttp applications: the proxy (every path) and the admin listener.
 
-State lives on the application under typed keys (:mod:`sidecar.keys`), created and torn down in
-one ``cleanup_ctx`` generator: the config generation (:class:`~sidecar.runtime.Runtimes`: engine
-adapters, router, upstream sessions; swapped whole by :func:`reload`), the abort machinery.
+State lives on the application under typed keys (:mod:`sidecar.keys`; ``proxy.EXCHANGES`` and
+``readiness.READINESS`` beside their classes), created and torn down in one ``cleanup_ctx``
+generator: the config generation (:class:`~sidecar.runtime.Runtimes`: engine adapters, router,
+upstream sessions; swapped whole by :func:`reload`), the abort machinery.
 Teardown order: stop taking requests and drain them (``server.Servers.stop``), let abort calls
 finish (bounded), close sessions.
 """
@@ -28,9 +29,7 @@ from sidecar.config import Settings
 from sidecar.inflight import InflightRecord
 from sidecar.keys import (
     ABORTER,
-    EXCHANGES,
     METRICS,
-    READINESS,
     RECORD,
     RECOVERS,
     REGISTRY,
@@ -39,8 +38,9 @@ from sidecar.keys import (
     TASKS,
 )
 from sidecar.metrics import Metrics, ReadinessMetrics
-from sidecar.proxy import Exchange, error_response, handle, refuse
-from sidecar.readiness import OK, Readiness
+from sidecar.proxy import EXCHANGES, Exchange, handle, refuse
+from sidecar.readiness import OK, READINESS, Readiness
+from sidecar.replies import error_response
 from sidecar.runtime import Runtime, Runtimes, describe_changes
 from sidecar.tasks import TaskSet
 from sidecar.upstream import MAX_HEADER_BYTES
@@ -213,7 +213,7 @@ async def _metrics(request: web.Request) -> web.Response:
 def make_admin_app(runtimes: Runtimes, registry: CollectorRegistry,
                    canceller: Canceller) -> web.Application:
     """The admin application: ``/healthz``, ``/readyz`` (the engines of ``runtimes.current``;
-    its :class:`~sidecar.readiness.Readiness` under ``keys.READINESS``, for the startup check),
+    its :class:`~sidecar.readiness.Readiness` under ``readiness.READINESS``, for the startup check),
     ``/metrics`` (Prometheus text of ``registry``, where the readiness verdicts are registered
     too), and the cancel API (:mod:`sidecar.cancel`)
     looking ids up with ``canceller`` (this process's requests, or the workers')."""

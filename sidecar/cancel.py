@@ -23,7 +23,7 @@ abort has started and the client's response has ended, so a second cancel of the
 
 Where the request is looked up (a :data:`Canceller` under ``CANCELLER``)::
 
-    one process:  admin listener -> local_canceller: this process's keys.EXCHANGES
+    one process:  admin listener -> local_canceller: this process's proxy.EXCHANGES
     --workers N:  supervisor's admin listener (checks the token)
                     -> WorkerCanceller: POST the same path to every live worker at once, over
                        its control listener (a Unix socket in the supervisor's 0700 run
@@ -54,7 +54,8 @@ from aiohttp import web
 from pydantic import SecretStr
 from yarl import URL
 
-from sidecar.proxy import Exchange, error_response
+from sidecar.proxy import Exchange
+from sidecar.replies import error_response
 
 log = logging.getLogger(__name__)
 
@@ -110,7 +111,7 @@ def add_cancel_route(app: web.Application, token: SecretStr | None,
 
 
 def local_canceller(exchanges: dict[str, Exchange]) -> Canceller:
-    """Cancel among ``exchanges`` (this process's ``keys.EXCHANGES``): 200 once the handler
+    """Cancel among ``exchanges`` (this process's ``proxy.EXCHANGES``): 200 once the handler
     unwound (bounded by ``UNWIND_S``), or 404."""
 
     async def cancel(request_id: str) -> web.Response:

@@ -60,8 +60,8 @@ from aiohttp.web_protocol import RequestHandler
 from aiohttp.web_request import BaseRequest
 from yarl import URL
 
-from sidecar.proxy import error_response
 from sidecar.relay import HOLD_S, Downstream
+from sidecar.replies import closing_error
 
 log = logging.getLogger(__name__)
 
@@ -292,16 +292,7 @@ class DownstreamHandler(RequestHandler):
             reason, error_type = "Internal error in the sidecar", "internal_error"
         if request.writer.output_size > 0:
             raise ConnectionError("a response was already started; cannot send an error")
-        return _closing_error(status, reason, error_type)
-
-
-def _closing_error(status: int, reason: str, error_type: str) -> web.Response:
-    """The proxy's OpenAI-style JSON error for a request whose framing or form it does not
-    trust, with ``Connection: close``: what follows on the connection is not read."""
-    response = error_response(status, reason, error_type)
-    response.headers["Connection"] = "close"
-    response.force_close()
-    return response
+        return closing_error(status, reason, error_type)
 
 
 class UnusableTarget(BaseRequest):
@@ -351,13 +342,13 @@ def refusing_unusable_targets(
         if isinstance(request, UnsupportedVersion):
             log.warning("refused a request from %s with 505: not HTTP/1.0 or HTTP/1.1",
                         request.remote)
-            return _closing_error(HTTPStatus.HTTP_VERSION_NOT_SUPPORTED, _VERSION_REASON,
+            return closing_error(HTTPStatus.HTTP_VERSION_NOT_SUPPORTED, _VERSION_REASON,
                                  "invalid_request")
         if not isinstance(request, UnusableTarget):
             return await handler(request)
         log.warning("refused a malformed request from %s with 400: unusable request target",
                     request.remote)
-        return _closing_error(HTTPStatus.BAD_REQUEST, "Invalid request target", "invalid_request")
+        return closing_error(HTTPStatus.BAD_REQUEST, "Invalid request target", "invalid_request")
     return handle
 
 

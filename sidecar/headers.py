@@ -1,4 +1,10 @@
-"""Header rewriting for one proxy hop (RFC 9110 section 7.6).
+"""The header names the sidecar reads and writes itself, and header rewriting for one proxy hop
+(RFC 9110 section 7.6).
+
+The sidecar's own fields: :data:`REQUEST_ID` (the sidecar request id, returned to the client; a
+client's own value goes upstream as :data:`CLIENT_REQUEST_ID` and is returned under that name),
+:data:`DEADLINE_HEADER` (a client's deadline, addressed to the sidecar: never forwarded; parsed
+by :meth:`sidecar.route.RouteTarget.deadline_s`) and :data:`SHOULD_RETRY`.
 
 Downstream -> upstream: drop hop-by-hop fields (section 7.6.1: ``Connection`` and every field it
 names, ``Proxy-Connection``, ``Keep-Alive``, ``TE``, ``Transfer-Encoding``, ``Upgrade``, plus
@@ -21,6 +27,13 @@ import re
 from collections.abc import Iterable
 
 from multidict import CIMultiDict, CIMultiDictProxy, istr
+
+REQUEST_ID = "X-Request-Id"
+SHOULD_RETRY = "X-Should-Retry"  # the openai SDKs' retry override (not a standard header)
+CLIENT_REQUEST_ID = "X-Client-Request-Id"
+# A client's deadline for its request, seconds (a positive decimal number); it can only lower the
+# route's max_duration_s. Addressed to the sidecar: never forwarded upstream.
+DEADLINE_HEADER = "X-Sidecar-Deadline-S"
 
 HOP_BY_HOP = frozenset(
     istr(name)

@@ -1,8 +1,9 @@
-"""Typed keys for the state kept on the aiohttp application objects (``web.AppKey``)."""
+"""Typed keys for the state kept on the aiohttp application objects (``web.AppKey``) whose types
+come from below the request path: the settings, the metrics, the task set, the abort machinery,
+the in-flight record and the config generation. A key typed by a class of the request path lives
+beside that class: ``proxy.EXCHANGES``, ``readiness.READINESS``."""
 
 from __future__ import annotations
-
-from typing import TYPE_CHECKING
 
 from aiohttp import web
 from prometheus_client import CollectorRegistry
@@ -11,12 +12,8 @@ from sidecar.abort import Aborter
 from sidecar.config import Settings
 from sidecar.inflight import InflightRecord
 from sidecar.metrics import Metrics
+from sidecar.runtime import Runtimes
 from sidecar.tasks import TaskSet
-
-if TYPE_CHECKING:
-    from sidecar.proxy import Exchange
-    from sidecar.readiness import Readiness
-    from sidecar.runtime import Runtimes
 
 # The settings the proxy app was built with; reloads replace RUNTIME's generation, not this.
 SETTINGS = web.AppKey("settings", Settings)
@@ -30,13 +27,5 @@ RECOVERS = web.AppKey("recovers", bool)
 # (lifecycle.record_dir null, or its directory cannot be written).
 RECORD: web.AppKey[InflightRecord | None] = web.AppKey("record")
 # The current config generation (settings, adapters, router, upstream sessions) and the
-# in-flight count: sidecar.runtime. Each request reads it once, in app._proxy.
-RUNTIME: web.AppKey[Runtimes] = web.AppKey("runtime")
-# Requests in flight by sidecar request id (the X-Request-Id returned to the client), for the
-# cancel API (sidecar.cancel): added when proxy.handle creates the Exchange, removed as it ends.
-# On the proxy app; the admin listener of the same process (or a --workers worker's control
-# listener) reads it through cancel.local_canceller.
-EXCHANGES: web.AppKey[dict[str, Exchange]] = web.AppKey("exchanges")
-# Engine readiness with the last verdict per engine (sidecar.readiness), on the admin app:
-# /readyz and the startup check share it, so their verdicts and log lines agree.
-READINESS: web.AppKey[Readiness] = web.AppKey("readiness")
+# in-flight count: sidecar.runtime. Each request reads it once, in app.proxy_handler.
+RUNTIME = web.AppKey("runtime", Runtimes)

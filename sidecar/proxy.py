@@ -16,17 +16,18 @@ A client that reads slowly is not gone: each write waits while more than
 so the engine's own writes wait too. A request body that breaks a ``downstream`` limit (size,
 silence) gets 413/408 and the connection closed; the engine never had all of it: no abort.
 
-The cancel API (:mod:`sidecar.cancel`) finds an exchange by its sidecar id (``keys.EXCHANGES``)
-and cancels its handler with :data:`CANCELLED`; a request's deadline
-(``routes[].max_duration_s``, lowered by the client's :data:`DEADLINE_HEADER`) is one
-``loop.call_at`` timer, cancelled when the request ends, that does the same with
-:data:`DEADLINE`. :func:`handle` consumes only that cancellation (``Task.uncancel() == 0``:
-nothing else, e.g. a disconnect, asked too, as ``asyncio.timeout`` does) and
-:meth:`Exchange.end_cancelled` aborts the engine and ends the client's response with an error it
-can parse (the :class:`Ending`'s status before the head, its SSE error event mid-stream). Of a
-cancel call, the deadline and a disconnect, the first the sidecar notices wins and is the only
-one counted: :meth:`Exchange.request_cancel` refuses a request already ending (another ending
-asked, or the client's connection is lost or closing).
+The cancel API (:mod:`sidecar.cancel`) finds an exchange by its sidecar id (:data:`EXCHANGES`)
+and cancels its handler with :data:`~sidecar.replies.CANCELLED`; a request's deadline
+(``routes[].max_duration_s``, lowered by the client's ``X-Sidecar-Deadline-S``:
+:meth:`sidecar.route.RouteTarget.deadline_s`) is one ``loop.call_at`` timer, cancelled when the
+request ends, that does the same with :data:`~sidecar.replies.DEADLINE`. :func:`handle`
+consumes only that cancellation (``Task.uncancel() == 0``: nothing else, e.g. a disconnect,
+asked too, as ``asyncio.timeout`` does) and :meth:`Exchange.end_cancelled` aborts the engine and
+ends the client's response with an error it can parse (the :class:`~sidecar.replies.Ending`'s
+status before the head, its SSE error event mid-stream; every reply the sidecar writes itself
+is built in :mod:`sidecar.replies`). Of a cancel call, the deadline and a disconnect, the first
+the sidecar notices wins and is the only one counted: :meth:`Exchange.request_cancel` refuses a
+request already ending (another ending asked, or the client's connection is lost or closing).
 """
 
 from __future__ import annotations
@@ -35,13 +36,9 @@ import asyncio
 import functools
 import json
 import logging
-import math
-import socket
-import struct
 import time
 import uuid
 from collections.abc import Callable
-from dataclasses import dataclass, field
 from typing import NamedTuple, Protocol, cast
 
 from aiohttp import HttpVersion11, web
@@ -51,7 +48,6 @@ from multidict import CIMultiDict
 from engine import EngineAdapter, Kept, Unabortable
 from sidecar import tunnel
 from sidecar.abort import Aborter
-from sidecar.config import MAX_SECONDS
 from sidecar.confirm import Confirmation
 from sidecar.errors import (
     DownstreamError,
@@ -62,16 +58,32 @@ from sidecar.errors import (
     detail,
 )
 from sidecar.headers import (
+    CLIENT_REQUEST_ID,
+    DEADLINE_HEADER,
+    REQUEST_ID,
     downstream_response_headers,
     has_forbidden_characters,
     unsupported_transfer_coding,
     upstream_request_headers,
 )
 from sidecar.inflight import InflightRecord
-from sidecar.keys import ABORTER, EXCHANGES, METRICS, RECORD
+from sidecar.keys import ABORTER, METRICS, RECORD
 from sidecar.logs import RequestLog
 from sidecar.metrics import Metrics
 from sidecar.relay import Downstream, UpstreamResponse
+from sidecar.replies import (
+    CANCEL_WRITE_S,
+    CANCELLED,
+    DEADLINE,
+    Ending,
+    body_error,
+    cut,
+    end_begun,
+    ending_response,
+    error_response,
+    gone_client,
+    upstream_error,
+)
 from sidecar.route import RouteTarget
 from sidecar.runtime import Runtime
 from sidecar.upstream import (
@@ -83,15 +95,6 @@ from sidecar.upstream import (
 
 log = logging.getLogger(__name__)
 
-REQUEST_ID = "X-Request-Id"
-SHOULD_RETRY = "X-Should-Retry"  # the openai SDKs' retry override (not a standard header)
-CLIENT_REQUEST_ID = "X-Client-Request-Id"
-SSE_DONE = b"data: [DONE]\n\n"
-# A client's deadline for its request, seconds (a positive decimal number); it can only lower the
-# route's max_duration_s. Addressed to the sidecar: never forwarded upstream.
-DEADLINE_HEADER = "X-Sidecar-Deadline-S"
-CANCEL_WRITE_S = 5.0  # how long ending a cancelled response may wait for a slow client
-
 
 class AbortStep(NamedTuple):
     """One abort engine's part of a request's abort: its engine request ids (never empty) and
@@ -102,49 +105,6 @@ class AbortStep(NamedTuple):
     ids: tuple[str, ...]
     once_streaming: bool
     registers_later: bool
-
-
-@dataclass(frozen=True, slots=True)
-class Ending:
-    """Why the sidecar ends a request itself, and how the client is told: ``status`` and an
-    OpenAI-style JSON error before the response head, else mid-SSE the final ``event``, whose
-    JSON has ``"error"`` (the openai SDK raises ``APIError`` on it: openai/_streaming.py,
-    Stream.__stream__). ``reason`` goes to the log and the access line's ``cancel_reason``."""
-
-    reason: str
-    status: int
-    status_reason: str
-    error_type: str
-    message: str
-    event: bytes = field(init=False)
-
-    def __post_init__(self) -> None:
-        error = {"message": self.message, "type": self.error_type, "param": None, "code": None}
-        object.__setattr__(self, "event", b"data: " + json.dumps({"error": error}).encode()
-                           + b"\n\n")
-
-
-# The cancel API (sidecar.cancel). 499: a 4xx no SDK retries (openai: 408/409/429/5xx).
-CANCELLED = Ending("cancelled via API", 499, "Request Cancelled", "cancelled",
-                   "request cancelled")
-# The request's deadline passed. 504: what a gateway answers for an upstream that took too long.
-DEADLINE = Ending("deadline exceeded", 504, "Gateway Timeout", "deadline_exceeded",
-                  "deadline exceeded")
-_LINGER_RESET = struct.pack("ii", 1, 0)  # SO_LINGER on, 0 s: close() sends RST
-
-
-def error_response(status: int, message: str, error_type: str,
-                   request_id: str | None = None,
-                   client_request_id: str | None = None) -> web.Response:
-    """An OpenAI-style JSON error: ``{"error": {"message", "type", "param", "code"}}``, with the
-    sidecar's ``X-Request-Id`` and the client's own as ``X-Client-Request-Id``, if given."""
-    body = {"error": {"message": message, "type": error_type, "param": None, "code": status}}
-    response = web.json_response(body, status=status)
-    if request_id is not None:
-        response.headers[REQUEST_ID] = request_id
-    if client_request_id is not None:
-        response.headers[CLIENT_REQUEST_ID] = client_request_id
-    return response
 
 
 class RelayedResponse(web.StreamResponse):
@@ -677,11 +637,6 @@ class Exchange:
         streamed = ctype.partition(";")[0].strip().lower() == "text/event-stream"
         return "streaming" if streamed else "awaiting_response"
 
-    def _error(self, status: int, message: str, error_type: str) -> web.Response:
-        """:func:`error_response` for this request: its sidecar id and the client's own."""
-        return error_response(status, message, error_type, self.id,
-                              self.request.headers.get(REQUEST_ID))
-
     async def _refuse_body(self, exc: DownstreamError) -> web.StreamResponse:
         """The client's body broke a ``downstream`` limit before the engine had all of it: the
         upstream request, if one was sent, is already closed and nothing is aborted. The client
@@ -691,8 +646,7 @@ class Exchange:
         kind = type(exc).__name__.removeprefix("Request")
         self.metrics.downstream_errors.labels(self.target.prefix, kind).inc()
         log.info("request %s: %s; upstream closed, nothing to abort", self.id, exc)
-        response = self._error(exc.status, str(exc), exc.error_type)
-        response.force_close()
+        response = body_error(exc, self.id, self.request.headers.get(REQUEST_ID))
         await response.prepare(self.request)
         await response.write_eof()
         self.status_sent, self.bytes_sent = response.status, response.body_length
@@ -712,7 +666,7 @@ class Exchange:
             # head: its side is gone.) Its response is given up: nothing to confirm on.
             self._stop(kind, disconnect=False, confirm=False)
         self.upstream_finished = True
-        return self._error(exc.status, exc.client_message, exc.error_type)
+        return upstream_error(exc, self.id, self.request.headers.get(REQUEST_ID))
 
     def _broken_mid_stream(self, response: web.StreamResponse,
                            exc: UpstreamError | DownstreamError) -> web.StreamResponse:
@@ -739,23 +693,8 @@ class Exchange:
         self.upstream_finished = True
         assert self.upstream is not None
         self.upstream.close()
-        self._cut(response)
+        cut(self.request, response)
         return response
-
-    def _cut(self, response: web.StreamResponse) -> None:
-        """End a response that has begun so the client sees it incomplete."""
-        transport = self.request.transport
-        if transport is not None:
-            delimited = (response.headers.get("Transfer-Encoding") == "chunked"
-                         or response.content_length is not None)
-            if delimited:
-                transport.close()
-            else:
-                # abort() alone sends a FIN, which reads as a complete body: force a reset.
-                sock = transport.get_extra_info("socket")
-                if sock is not None:
-                    sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, _LINGER_RESET)
-                transport.abort()
 
     def request_cancel(self, ending: Ending = CANCELLED) -> bool:
         """The cancel API (or the deadline timer, with :data:`DEADLINE`): cancel the handler;
@@ -796,26 +735,11 @@ class Exchange:
         response = self.response
         if response is None or not response.prepared:
             return await self._cancelled_before_head(ending)
-        try:
-            async with asyncio.timeout(CANCEL_WRITE_S):
-                sse = response.content_type == "text/event-stream"
-                if sse and (not self.tail or self.tail.endswith((b"\n\n", b"\r\n\r\n"))):
-                    await response.write(ending.event)
-                    self._bytes_sent += len(ending.event)
-                    await response.write_eof()
-                    return response
-        except (TimeoutError, ConnectionResetError):
-            pass  # a client that does not read (or is gone): cut below
-        self._cut(response)
+        self._bytes_sent += await end_begun(self.request, response, ending, self.tail)
         return response
 
     async def _cancelled_before_head(self, ending: Ending) -> web.StreamResponse:
-        response = self._error(ending.status, ending.message, ending.error_type)
-        response.set_status(ending.status, ending.status_reason)
-        # The openai SDKs retry a 5xx (max_retries 2 by default) unless told not to
-        # (openai-python _base_client.py, _should_retry: "x-should-retry: false" wins): a
-        # retried deadline would run the request again, to the same deadline, for nothing.
-        response.headers[SHOULD_RETRY] = "false"
+        response = ending_response(ending, self.id, self.request.headers.get(REQUEST_ID))
         if self.phase == "request_body":
             response.force_close()  # the rest of the body is never read
         try:
@@ -823,12 +747,19 @@ class Exchange:
                 await response.prepare(self.request)
                 await response.write_eof()
         except (TimeoutError, ConnectionResetError):
-            self._cut(response)
+            cut(self.request, response)
             return response
         self.status_sent, self.bytes_sent = response.status, response.body_length
         if self.phase == "request_body" and self.request.transport is not None:
             self.request.transport.close()  # else aiohttp reads what is left: see _refuse_body
         return response
+
+
+# Requests in flight by sidecar request id (the X-Request-Id returned to the client), for the
+# cancel API (sidecar.cancel): added when handle creates the Exchange, removed as it ends. On the
+# proxy app; the admin listener of the same process (or a --workers worker's control listener)
+# reads it through cancel.local_canceller.
+EXCHANGES: web.AppKey[dict[str, Exchange]] = web.AppKey("exchanges")
 
 
 def _left_first(exc: BaseException) -> ConnectionResetError:
@@ -878,23 +809,6 @@ def refuse(request: web.Request, status: int, message: str, error_type: str,
     return response
 
 
-def deadline_s(header: str | None, route_max: float | None) -> float | None:
-    """The request's deadline, seconds: the client's :data:`DEADLINE_HEADER` value capped by
-    the route's ``max_duration_s`` (either may be ``None``: no limit of its own). Raises
-    ``ValueError`` with the message for the client if the header is not a finite number
-    > 0 and <= ``MAX_SECONDS``."""
-    if header is None:
-        return route_max
-    try:
-        asked = math.nan if "_" in header else float(header)  # Python's float takes "1_0"
-    except ValueError:
-        asked = math.nan
-    if not 0 < asked <= MAX_SECONDS:  # also refuses NaN and infinity
-        raise ValueError(f"{DEADLINE_HEADER} must be a number of seconds > 0 and <= "
-                         f"{MAX_SECONDS:.0f}, got {json.dumps(header[:40])}")
-    return asked if route_max is None else min(asked, route_max)
-
-
 async def handle(request: web.Request, runtime: Runtime,
                  app: web.Application) -> web.StreamResponse:
     """Proxy one request with the config generation ``runtime`` it started on; the proxy's
@@ -919,11 +833,8 @@ async def handle(request: web.Request, runtime: Runtime,
                          "not_implemented", target, metrics)
         refusal.force_close()  # the body is left unread
         return refusal
-    asked = request.headers.getall(DEADLINE_HEADER, [])
     try:
-        if len(asked) > 1:
-            raise ValueError(f"{DEADLINE_HEADER} must be given at most once")
-        deadline = deadline_s(asked[0] if asked else None, target.max_duration_s)
+        deadline = target.deadline_s(request.headers)
     except ValueError as exc:
         return refuse(request, 400, str(exc), "invalid_request", target, metrics)
     if tunnel.wants_tunnel(request):  # Connection: Upgrade (a WebSocket): relayed, never aborted
@@ -973,7 +884,7 @@ async def handle(request: web.Request, runtime: Runtime,
         # its side on the abort while the cancellation waited its turn (_left_first).
         gone = True
         exchange.cancel("client disconnected")
-        return web.Response(status=499)
+        return gone_client()
     finally:
         if timer is not None:
             timer.cancel()

@@ -49,7 +49,6 @@ from aiohttp import web
 from engine import EngineAdapter
 from sidecar.abort import ABORT_STATUS_HINTS
 from sidecar.config import EngineKind, WhenAbortUnavailable
-from sidecar.keys import READINESS
 from sidecar.metrics import ReadinessMetrics
 from sidecar.runtime import Runtimes
 
@@ -204,6 +203,11 @@ class Readiness:
         while not all(v == OK for v in (await self.check()).values()) or self._close_only:
             await asyncio.sleep(delay)
             delay = min(delay * 2, RECHECK_MAX_S)
+
+
+# Engine readiness with the last verdict per engine, on the admin app: /readyz and the startup
+# check share it, so their verdicts and log lines agree.
+READINESS = web.AppKey("readiness", Readiness)
 
 
 async def startup_check(admin: web.AppRunner | None, runtimes: Runtimes) -> None:

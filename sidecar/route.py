@@ -1,6 +1,7 @@
-"""Routes: which engine serves a request path, and which engines abort its cancelled requests:
-the configured ones (``routes[].abort``) and, per request, the one its ``abort_from_header``
-header names (:mod:`sidecar.targets`).
+"""Routes: which engine serves a request path, which engines abort its cancelled requests (the
+configured ones, ``routes[].abort``, and per request the one its ``abort_from_header`` header
+names: :mod:`sidecar.targets`), and its deadline (``routes[].max_duration_s``, lowered by the
+client's ``X-Sidecar-Deadline-S``).
 
 Prefixes match on path-segment boundaries (``/v1`` matches ``/v1`` and ``/v1/models``, never
 ``/v10``); the longest matching prefix wins, so ``/`` is a catch-all.
@@ -8,13 +9,16 @@ Prefixes match on path-segment boundaries (``/v1`` matches ``/v1`` and ``/v1/mod
 
 from __future__ import annotations
 
+import json
+import math
 from collections.abc import MutableMapping
 from dataclasses import dataclass, field
 
 from multidict import MultiMapping
 
 from engine import EngineAdapter
-from sidecar.config import Settings
+from sidecar.config import MAX_SECONDS, Settings
+from sidecar.headers import DEADLINE_HEADER
 from sidecar.metrics import Metrics
 from sidecar.targets import HeaderTargets
 
@@ -54,6 +58,27 @@ class RouteTarget:
         """Tag the upstream request for every engine involved (see :meth:`EngineAdapter.tag`)."""
         for adapter in self._shapers:
             adapter.tag(path, sidecar_id, headers)
+
+    def deadline_s(self, headers: MultiMapping[str]) -> float | None:
+        """The deadline of a request with ``headers``, seconds: the client's
+        :data:`~sidecar.headers.DEADLINE_HEADER` value capped by ``max_duration_s`` (either may
+        be absent: no limit of its own; ``None``: no deadline). Raises ``ValueError`` with the
+        message for the client if the header is given more than once or is not a finite number
+        > 0 and <= ``sidecar.config.MAX_SECONDS``."""
+        given = headers.getall(DEADLINE_HEADER, [])
+        if not given:
+            return self.max_duration_s
+        if len(given) > 1:
+            raise ValueError(f"{DEADLINE_HEADER} must be given at most once")
+        header = given[0]
+        try:
+            asked = math.nan if "_" in header else float(header)  # Python's float takes "1_0"
+        except ValueError:
+            asked = math.nan
+        if not 0 < asked <= MAX_SECONDS:  # also refuses NaN and infinity
+            raise ValueError(f"{DEADLINE_HEADER} must be a number of seconds > 0 and <= "
+                             f"{MAX_SECONDS:.0f}, got {json.dumps(header[:40])}")
+        return asked if self.max_duration_s is None else min(asked, self.max_duration_s)
 
     def abort_engines(self, headers: MultiMapping[str], sidecar_id: str,
                       metrics: Metrics) -> tuple[EngineAdapter, ...]:

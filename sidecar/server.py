@@ -57,8 +57,9 @@ from sidecar.app import make_admin_app, make_app, make_control_app, proxy_handle
 from sidecar.cancel import CONTROL_IDLE_S, local_canceller
 from sidecar.config import Settings
 from sidecar.downstream import DownstreamRunner, DownstreamServer
-from sidecar.keys import EXCHANGES, RUNTIME
+from sidecar.keys import RUNTIME
 from sidecar.logs import LogFormat
+from sidecar.proxy import EXCHANGES
 
 log = logging.getLogger(__name__)
 

@@ -69,7 +69,6 @@ import httptools
 from aiohttp import HttpVersion11, web
 from multidict import CIMultiDict, CIMultiDictProxy
 
-import sidecar.proxy
 from sidecar.config import MAX_SECONDS
 from sidecar.errors import (
     UpstreamConnectError,
@@ -82,6 +81,9 @@ from sidecar.errors import (
     detail,
 )
 from sidecar.headers import (
+    CLIENT_REQUEST_ID,
+    DEADLINE_HEADER,
+    REQUEST_ID,
     downstream_response_headers,
     has_forbidden_characters,
     is_upgrade,
@@ -89,6 +91,7 @@ from sidecar.headers import (
 )
 from sidecar.logs import RequestLog
 from sidecar.metrics import Metrics
+from sidecar.replies import gone_client, upstream_error
 from sidecar.route import RouteTarget
 from sidecar.runtime import Runtime
 from sidecar.upstream import MAX_HEADER_BYTES, READ_BUFFER_BYTES
@@ -316,7 +319,7 @@ class Tunnel:
         self.id = uuid.uuid4().hex
         self.upgrade = request.headers.get("Upgrade", "")[:40]
         self.access = RequestLog(self.id, request.method, request.path, target.prefix,
-                                 target.engine.name, request.headers.get(sidecar.proxy.REQUEST_ID))
+                                 target.engine.name, request.headers.get(REQUEST_ID))
         self.engine: _EngineSide | None = None
         self.switched = False
         self.switched_at = 0.0
@@ -363,7 +366,7 @@ class Tunnel:
             return response
         except ConnectionResetError:  # a write found the client gone before its cancellation
             self.end(CLIENT, self._client_reason())
-            return web.Response(status=499)
+            return gone_client()
         except asyncio.CancelledError:
             self.end(CLIENT if self._client_gone() else SIDECAR,
                      self._client_reason() if self._client_gone() else "shutdown")
@@ -396,10 +399,10 @@ class Tunnel:
             host, port_text = authority, "443" if scheme == "https" else "80"
         host = host.strip("[]")
         headers = upgrade_request_headers(request.headers, request.remote, request.scheme)
-        client_id = headers.popall(sidecar.proxy.REQUEST_ID, None)
-        headers.popall(sidecar.proxy.DEADLINE_HEADER, None)
+        client_id = headers.popall(REQUEST_ID, None)
+        headers.popall(DEADLINE_HEADER, None)
         if client_id:
-            headers[sidecar.proxy.CLIENT_REQUEST_ID] = client_id[0]
+            headers[CLIENT_REQUEST_ID] = client_id[0]
         self.target.tag(request.path, self.id, headers)
         lines = [f"{request.method} {self.target_path} HTTP/1.1", f"Host: {authority}"]
         lines += [f"{name}: {value}" for name, value in headers.items()]
@@ -438,8 +441,7 @@ class Tunnel:
         kind = type(exc).__name__.removeprefix("Upstream")
         self.metrics.upstream_errors.labels(self.target.engine.name, kind).inc()
         log.warning("request %s: upgrade: %s", self.id, detail(exc))
-        return sidecar.proxy.error_response(exc.status, exc.client_message, exc.error_type,
-                                            self.id)
+        return upstream_error(exc, self.id)
 
     async def _relay_refusal(self) -> web.StreamResponse:
         """The engine answered the upgrade with a status other than 101: relay it as the plain
@@ -454,7 +456,7 @@ class Tunnel:
         for value in engine.headers.getall("Upgrade", ()):
             # Hop-by-hop, but it says which protocols this hop does accept (426 must send it).
             response.headers.add("Upgrade", value)
-        response.headers[sidecar.proxy.REQUEST_ID] = self.id
+        response.headers[REQUEST_ID] = self.id
         log.info("request %s: upgrade to %r refused by the engine with %d", self.id,
                  self.upgrade, engine.status)
         await response.prepare(request)
