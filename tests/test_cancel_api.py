@@ -6,7 +6,7 @@ as ``APIError``, then the end of the stream).
 Production wiring throughout: :func:`sidecar.server.start` (the ``start_sidecar`` fixture);
 ``--workers 2`` (the supervisor asking its workers) is ``tests/test_cancel_workers.py``.
 Clients are raw sockets (to see the chunk framing and how the body ended), aiohttp and the
-openai SDK; the engine is :mod:`tests.fake_engine`.
+openai SDK; the engine is :mod:`tests.fakes.engine`.
 Waits are event-driven with a generous limit (``WAIT_S``).
 """
 
@@ -26,10 +26,10 @@ import pytest
 from sidecar.config import load_config, parse_config
 from sidecar.errors import ConfigError
 from sidecar.server import Servers
-from tests import rawhttp
 from tests.conftest import sidecar_settings
-from tests.fake_engine import FakeEngine
-from tests.support import metrics, no_event, settle
+from tests.fakes.engine import FakeEngine
+from tests.harness import rawhttp
+from tests.harness.support import metrics, no_event, settle
 
 pytestmark = pytest.mark.timeout(60)
 

@@ -3,8 +3,8 @@ every worker over its control listener (a Unix socket in the supervisor's 0700 r
 the worker holding the request cancels it exactly as a single process does
 (``tests/test_cancel_api.py``).
 
-Everything runs as production does: the real CLI in a subprocess (:mod:`tests.cli_process`),
-:class:`tests.fake_engine.FakeEngine`, raw-socket clients. Which worker holds a request is read
+Everything runs as production does: the real CLI in a subprocess (:mod:`tests.harness.cli_process`),
+:class:`tests.fakes.engine.FakeEngine`, raw-socket clients. Which worker holds a request is read
 from the sockets (psutil): each streaming request holds one upstream connection to the engine,
 owned by the worker process serving it. ``test_cancel_latency_*`` prints the cancel call's
 latency through the supervisor and in one process (``pytest -s``).
@@ -32,9 +32,9 @@ import pytest
 import yaml
 
 from sidecar.server import ReadyLine
-from tests import rawhttp
-from tests.cli_process import REPO, cli_process, config_tree
-from tests.fake_engine import FakeEngine, Generation
+from tests.fakes.engine import FakeEngine, Generation
+from tests.harness import rawhttp
+from tests.harness.cli_process import REPO, cli_process, config_tree
 
 pytestmark = pytest.mark.timeout(90)
 

@@ -3,7 +3,7 @@ own word (the request's response ending aborted) is what stops the re-sends.
 
 vLLM run as ``vllm serve --api-server-count N`` answers 200 to an abort that reaches another
 process than the request's owner and changes nothing (``../shared/notes/cancellation-facts.md``).
-The fake of ``tests/kind_engines.py`` plays that (``VLLMEngine(api_servers=N, accept=...)``: each
+The fake of ``tests/fakes/kinds.py`` plays that (``VLLMEngine(api_servers=N, accept=...)``: each
 connection belongs to one process, chosen skewed towards idle ones; ``AbortCall.missed``) and,
 like vLLM, ends an aborted response at once with ``"finish_reason": "abort"``. "Stopped" is read
 at the engine (``Work``), never from the sidecar's logs.
@@ -18,7 +18,7 @@ at the engine (``Work``), never from the sidecar's logs.
   200 reset at once: all 200 stopped, the other 200 byte-identical to their end.
 - ``test_registration_race_confirmed_with_fewer_calls``: one process, ids registered 50 ms after
   the body, the client gone at once: confirmed, in fewer calls than the blind schedule of a
-  2 s window (:func:`tests.support.max_calls`).
+  2 s window (:func:`tests.harness.support.max_calls`).
 - ``test_first_call_fans_out_once_several_processes_seen`` (N = 1, 4): clients that leave one
   after another; behind 4 processes, once a request needed 2 re-sends, every first call goes on
   ``abort.fanout`` connections at once; behind one, one call per request.
@@ -51,11 +51,11 @@ import yaml
 from sidecar.abort_wire import RECYCLE_S
 from sidecar.config import parse_config
 from sidecar.server import Servers
-from tests.cli_process import cli_process, config_tree
-from tests.fake_engine import FakeEngine
-from tests.kind_engines import VLLMEngine, Work, stream_bytes
-from tests.rawhttp import dechunk
-from tests.support import (
+from tests.fakes.engine import FakeEngine
+from tests.fakes.kinds import VLLMEngine, Work, stream_bytes
+from tests.harness.cli_process import cli_process, config_tree
+from tests.harness.rawhttp import dechunk
+from tests.harness.support import (
     API_KEY,
     FOREVER,
     Stalls,

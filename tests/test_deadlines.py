@@ -4,7 +4,7 @@ the upstream closed, and the client gets a JSON 504 before the head, or mid-SSE 
 event (``deadline_exceeded``) and a proper end of the stream.
 
 Production wiring (:func:`sidecar.server.start`, the ``start_sidecar`` fixture), the fake engine
-of :mod:`tests.fake_engine`, raw-socket, aiohttp and openai SDK clients. Times are guard bounds:
+of :mod:`tests.fakes.engine`, raw-socket, aiohttp and openai SDK clients. Times are guard bounds:
 a deadline of ``D`` must end the request after ``D`` and well before the engine would have.
 """
 
@@ -25,10 +25,10 @@ import pytest
 from sidecar.config import load_config
 from sidecar.errors import ConfigError
 from sidecar.server import Servers
-from tests import rawhttp
 from tests.conftest import sidecar_settings
-from tests.fake_engine import FakeEngine
-from tests.support import metrics
+from tests.fakes.engine import FakeEngine
+from tests.harness import rawhttp
+from tests.harness.support import metrics
 from tests.test_cancel_api import aborted_once, access_line, chat_body
 
 pytestmark = pytest.mark.timeout(60)

@@ -4,7 +4,7 @@ concurrently, with the ids its own kind derives; no engine outside the list is c
 The deployment is the one of ``config/examples/fanout.yaml``: the sidecar proxies to a router of
 kind ``openai`` (it has no abort endpoint) and aborts the prefill and decode engines of kind
 ``vllm`` behind it. A fourth engine (``bystander``, vllm) serves another route, without a list.
-All four are :class:`tests.fake_engine.FakeEngine` servers on 127.0.0.1; the router streams the
+All four are :class:`tests.fakes.engine.FakeEngine` servers on 127.0.0.1; the router streams the
 response (a real router forwards the request, with the sidecar's ``X-Request-Id``, to both
 engines; the fakes stand in for that: they only receive aborts). The sidecar runs through the
 production wiring (``start_sidecar``: :func:`sidecar.server.start`).
@@ -29,9 +29,9 @@ import yaml
 from engine import build_adapters
 from sidecar.config import ConfigError, Settings, load_config, parse_config
 from sidecar.server import Servers
-from tests.fake_engine import HANG_ABORT_PATH, FakeEngine
-from tests.kind_engines import OpenAIEngine, SGLangEngine, VLLMEngine
-from tests.support import (
+from tests.fakes.engine import HANG_ABORT_PATH, FakeEngine
+from tests.fakes.kinds import OpenAIEngine, SGLangEngine, VLLMEngine
+from tests.harness.support import (
     API_KEY,
     COMPLETIONS,
     GUARD_S,
@@ -194,7 +194,7 @@ MIXED_PHASES = {"mid_stream": ("?tokens=3000&interval=0.01", True),
 async def test_mixed_kinds_each_stop_the_work_under_their_own_ids(
         start_sidecar: Callable[..., Any], stalls: Stalls, phase: str) -> None:
     """A router (kind openai) forwards a 3-prompt completion to a vLLM prefill engine and an
-    SGLang decode engine (``tests/kind_engines.py``: the request runs on both, under each kind's
+    SGLang decode engine (``tests/fakes/kinds.py``: the request runs on both, under each kind's
     own ids, and goes on after the router's connection closes). The client leaves: each engine
     gets its own kind's abort (vLLM one call with ``cmpl-{id}-0..2``, SGLang one call per
     ``{id}_{i}``, the ``rid`` the sidecar wrote into the body), and its work stops."""

@@ -14,9 +14,9 @@ import pytest
 from sidecar.config import Settings
 from sidecar.server import Servers
 from tests.conftest import sidecar_settings
-from tests.fake_engine import FakeEngine
-from tests.support import metrics
-from tests.upstreams import RawUpstream
+from tests.fakes.engine import FakeEngine
+from tests.fakes.upstreams import RawUpstream
+from tests.harness.support import metrics
 
 
 async def _head_and_body(port: int, request: bytes) -> tuple[bytes, bytes]:

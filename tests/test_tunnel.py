@@ -2,7 +2,7 @@
 
 Real clients (aiohttp's WebSocket client, raw sockets for exact closes and resets) through the
 sidecar started as production starts it (``start_sidecar`` = ``sidecar.server.start``) to real
-servers (``tests/ws_engines.py``: aiohttp's ``WebSocketResponse``, a raw asyncio server that
+servers (``tests/fakes/ws.py``: aiohttp's ``WebSocketResponse``, a raw asyncio server that
 records how its connection ended, and a fake of vLLM's ``/v1/realtime`` on uvicorn + starlette).
 Latencies are printed with ``-s``.
 """
@@ -33,9 +33,9 @@ from sidecar import server
 from sidecar.config import load_config
 from sidecar.headers import upgrade_request_headers
 from tests.conftest import sidecar_settings
-from tests.fake_engine import FakeEngine
-from tests.support import WAIT_S, Stalls, metrics, ms, sample
-from tests.ws_engines import RawEngine, RealtimeEngine, WsEngine, accept_key
+from tests.fakes.engine import FakeEngine
+from tests.fakes.ws import RawEngine, RealtimeEngine, WsEngine, accept_key
+from tests.harness.support import WAIT_S, Stalls, metrics, ms, sample
 
 REPO = Path(__file__).resolve().parent.parent
 KEY = base64.b64encode(b"0123456789abcdef").decode()

@@ -24,7 +24,7 @@ from typing import Any
 
 import httpx
 
-from tests.e2e.vllm_server import parse_metrics
+from tests.harness.e2e.vllm_server import parse_metrics
 
 LONG = {"ignore_eos": True}
 NO_KEEPALIVE = httpx.Limits(max_keepalive_connections=0)
@@ -343,8 +343,8 @@ def main() -> int:
     MODEL = a.model
     if a.url:
         return asyncio.run(main_async(a.url, a.only))
-    from tests.e2e.tiny_model import SLOW_MODEL_KWARGS, build_tiny_model
-    from tests.e2e.vllm_server import HIDE_DISCONNECT_MIDDLEWARE, vllm_server
+    from tests.harness.e2e.tiny_model import SLOW_MODEL_KWARGS, build_tiny_model
+    from tests.harness.e2e.vllm_server import HIDE_DISCONNECT_MIDDLEWARE, vllm_server
 
     model = build_tiny_model(Path(a.model), **SLOW_MODEL_KWARGS)
     with vllm_server(model, max_model_len=8192, middleware=[HIDE_DISCONNECT_MIDDLEWARE]) as srv:

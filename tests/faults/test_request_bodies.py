@@ -24,10 +24,10 @@ from typing import Any
 import pytest
 
 from sidecar.server import Servers
-from tests import rawhttp
 from tests.conftest import sidecar_settings
-from tests.fake_engine import FakeEngine, Seen
-from tests.support import disconnect_counts, metrics, no_event, samples, settle
+from tests.fakes.engine import FakeEngine, Seen
+from tests.harness import rawhttp
+from tests.harness.support import disconnect_counts, metrics, no_event, samples, settle
 from tests.test_proxy import assert_openai_error
 
 pytestmark = pytest.mark.timeout(60)
