@@ -199,7 +199,7 @@ async def check_stopped(stalls: Stalls, d: Deployment, victim: Work, at: float, 
         assert victim.stopped_at is not None
         note += f", work stopped {ms(stalls.check('the work to stop', at, victim.stopped_at))}"
     await settle(d.port)
-    print(f"[{d.name} {label}] {note}{stalls.note(at, victim.stopped_at or victim.closed_at)}")
+    print(f"[{d.name} {label}] {note}{stalls.note(at, victim.stopped_at or ended)}")
     calls = fake.calls
     if not kind.calls:
         assert calls == [] and fake.unknown_paths == [], (

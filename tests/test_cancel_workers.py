@@ -209,7 +209,9 @@ async def test_control_sockets_are_unix_only_in_a_private_directory_removed_at_e
         mode = stat.S_IMODE(run_dir.stat().st_mode)
         owner = run_dir.stat().st_uid
         sockets = {p.name: stat.S_ISSOCK(p.stat().st_mode) for p in paths}
-        unix = {w.pid: {c.laddr for c in w.net_connections("unix")} for w in workers}
+        # A Unix socket's laddr is its path, a str (types-psutil types it as an address tuple).
+        unix: dict[int, set[object]] = {
+            w.pid: {c.laddr for c in w.net_connections("unix")} for w in workers}
         tcp_listening = {p.pid: {c.laddr.port for c in p.net_connections("inet")
                                  if c.status == psutil.CONN_LISTEN}
                          for p in (supervisor, *workers)}

@@ -38,8 +38,9 @@ import logging
 import random
 import socket
 from collections import Counter
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Coroutine
 from contextlib import AsyncExitStack
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -122,6 +123,10 @@ def by_tag(fake: VLLMEngine, tag: str) -> Work | None:
                  if isinstance(w.body, dict) and w.body.get("tag") == tag), None)
 
 
+def idle(work: Work) -> bool:
+    return not work.running
+
+
 def calls_naming(fake: VLLMEngine, engine_id: str) -> int:
     return sum(engine_id in c.ids for c in fake.calls)
 
@@ -157,7 +162,7 @@ async def test_no_engine_id_outlives_its_client_behind_n_processes(
     port, admin = servers.proxy_port, servers.admin_port or 0
     cases = [(r, i, h) for r in ROUTES for i in INSTANTS for h in HOWS]
     random.Random(processes).shuffle(cases)
-    jobs = []
+    jobs: list[Coroutine[Any, Any, str | None]] = []
     for n, (route, instant, how) in enumerate(cases):
         tag = f"v{n}-{route}-{instant}-{how}"
         jobs.append(leave(port, stalls, route, instant, how, tag,
@@ -291,7 +296,7 @@ async def test_registration_race_confirmed_with_fewer_calls(
                    request_body({**body, "tag": tag}, True))
             work = await _arrived(fake, stalls, tag)  # the engine has the body: leave now
             c.disconnect("rst")
-        await stalls.wait(fake.watch.until(lambda w=work: not w.running, FOREVER),
+        await stalls.wait(fake.watch.until(partial(idle, work), FOREVER),
                           f"{tag} stopped", 5.0)
         assert not work.ran_to_end and work.ignored, (
             f"expected the first abort ignored (registering) and the id stopped: {work}")
@@ -321,7 +326,7 @@ async def test_first_call_fans_out_once_several_processes_seen(
             await stalls.wait(c.reader.readuntil(b"data:"), f"{tag}: its first event")
             work = await _arrived(fake, stalls, tag)
             c.disconnect("rst")
-        await stalls.wait(fake.watch.until(lambda w=work: not w.running, FOREVER),
+        await stalls.wait(fake.watch.until(partial(idle, work), FOREVER),
                           f"{tag} stopped", 5.0)
         assert not work.ran_to_end, f"{tag} ran on: {work}"
         engine_id = work.engine_ids[0]

@@ -47,7 +47,7 @@ API_KEY = "crash-key"
 TOKENS = 60  # at 20 ms: 1.2 s of generation once registered
 INTERVAL = 0.02
 LATE_REGISTER_S = 0.3  # a third of the requests: still registering when the kill lands
-ROUTES = [
+ROUTES: list[tuple[str, dict[str, Any], bool]] = [
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}]}, True),
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}]}, False),
     ("/v1/completions", {"prompt": ["a", "b", "c", "d"]}, True),

@@ -18,6 +18,7 @@ from __future__ import annotations
 import asyncio
 import logging
 from collections.abc import AsyncIterator, Callable, Iterator
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -27,10 +28,11 @@ import pytest_asyncio
 import yaml
 
 from engine import build_adapters
-from sidecar.config import ConfigError, Settings, load_config, parse_config
+from sidecar.config import Settings, load_config, parse_config
+from sidecar.errors import ConfigError
 from sidecar.server import Servers
 from tests.fakes.engine import HANG_ABORT_PATH, FakeEngine
-from tests.fakes.kinds import OpenAIEngine, SGLangEngine, VLLMEngine
+from tests.fakes.kinds import OpenAIEngine, SGLangEngine, VLLMEngine, Work
 from tests.harness.support import (
     API_KEY,
     COMPLETIONS,
@@ -51,6 +53,10 @@ REPO = Path(__file__).resolve().parent.parent
 PROMPTS = {"prompt": ["a", "b", "c"]}  # a 3-prompt /v1/completions: cmpl-{id}-0..2
 ABORTED = ("prefill", "decode")
 PHASES = {"mid_stream": "?tokens=1000&interval=0.01", "queued": "?first_byte_delay=30"}
+
+
+def has_stopped(work: Work) -> bool:
+    return work.stopped_at is not None
 
 
 def expected_ids(sidecar_id: str) -> list[str]:
@@ -226,7 +232,7 @@ async def test_mixed_kinds_each_stop_the_work_under_their_own_ids(
             works = {"prefill": prefill.works[0], "decode": decode.works[0]}
             for name, fake in (("prefill", prefill), ("decode", decode)):
                 work = works[name]
-                await stalls.wait(fake.watch.until(lambda w=work: w.stopped_at is not None, 3600),
+                await stalls.wait(fake.watch.until(partial(has_stopped, work), 3600),
                                   f"the work at {name} to stop")
         await settle(servers.proxy_port)
         sid = works["prefill"].request_id_header
@@ -272,6 +278,7 @@ async def test_fanout_calls_are_concurrent(deployment: Deployment,
 async def test_one_failing_engine_does_not_stop_the_others(
         deployment: Deployment, start_sidecar: Callable[..., Any], stalls: Stalls,
         access_lines: AccessLines, fault: str) -> None:
+    abort: dict[str, dict[str, Any]]
     if fault == "http_500":
         deployment["prefill"].record.abort_status = 500
         abort = {"prefill": {"retries": 0}}

@@ -25,6 +25,8 @@ from __future__ import annotations
 import asyncio
 import json
 import math
+from functools import partial
+from operator import le
 from pathlib import Path
 from typing import Any
 
@@ -179,7 +181,7 @@ async def _seen(prom: Prometheus, phase: dict[str, int]) -> None:
         ('sum(cancel_sidecar_abort_confirm_seconds_count{engine="good"})', phase["good"]),
         ('sum(cancel_sidecar_abort_latency_seconds_count{engine="blind"})', phase["blind"]),
     ]:
-        await prom.until(expr, lambda v, want=want: v >= want, SCRAPED_S)
+        await prom.until(expr, partial(le, want), SCRAPED_S)  # want <= value
 
 
 def dashboard_queries() -> list[tuple[str, str]]:

@@ -404,7 +404,7 @@ async def test_through_sidecar_every_generating_route_is_aborted(
 # --- (c) requests that stay: byte-identical -----------------------------------------------------
 
 SHORT = {"max_tokens": 24, "temperature": 0, "seed": 7, "ignore_eos": True}
-SAME_CASES = {
+SAME_CASES: dict[str, tuple[str, dict[str, Any], str]] = {
     "chat": ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi there"}]},
              "chatcmpl-"),
     "completion": ("/v1/completions", {"prompt": "the lazy dog"}, "cmpl-"),

@@ -280,7 +280,7 @@ class KindEngine:
             open_by[id(handler)] = self.connections[self._accept(transport)]
             made(handler, transport)
 
-        def gone(handler: Any, exc: BaseException | None) -> None:
+        def gone(handler: Any, exc: BaseException | None = None) -> None:
             connection = open_by.pop(id(handler), None)
             if connection is not None:
                 self._open[connection.process] -= 1

@@ -138,7 +138,7 @@ def build_tiny_model(
         eos_token_id=hf_tok.eos_token_id,
         pad_token_id=hf_tok.pad_token_id,
         tie_word_embeddings=False,
-        torch_dtype="float32",
+        dtype="float32",  # transformers 5: torch_dtype is only a deprecated alias of it
     )
     model = LlamaForCausalLM(config)
     model.generation_config.bos_token_id = hf_tok.bos_token_id

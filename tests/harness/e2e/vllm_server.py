@@ -54,9 +54,10 @@ import sys
 import time
 import urllib.error
 import urllib.request
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 REPO_ROOT = Path(__file__).resolve().parents[3]
 
@@ -80,14 +81,15 @@ def free_port(host: str = "127.0.0.1") -> int:
     """Return a currently free TCP port on ``host``."""
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         s.bind((host, 0))
-        return s.getsockname()[1]
+        port: int = s.getsockname()[1]
+        return port
 
 
 @dataclass
 class VLLMServer:
     """A running vLLM server subprocess."""
 
-    proc: subprocess.Popen
+    proc: subprocess.Popen[bytes]
     host: str
     port: int
     log_path: Path
@@ -115,7 +117,7 @@ class VLLMServer:
         stop_process_group(self.proc, timeout=timeout)
 
 
-def stop_process_group(proc: subprocess.Popen, timeout: float = 20.0) -> None:
+def stop_process_group(proc: subprocess.Popen[bytes], timeout: float = 20.0) -> None:
     """Stop ``proc`` and its process group: SIGTERM, wait ``timeout``, then SIGKILL."""
     if proc.poll() is None:
         try:
@@ -143,7 +145,8 @@ def stop_process_group(proc: subprocess.Popen, timeout: float = 20.0) -> None:
 def _http_status(url: str, timeout: float = 2.0) -> int | None:
     try:
         with urllib.request.urlopen(url, timeout=timeout) as r:
-            return r.status
+            status: int = r.status
+            return status
     except urllib.error.HTTPError as e:
         e.close()  # it holds the connection open until closed
         return e.code
@@ -297,7 +300,7 @@ def warm_up(server: VLLMServer, model: str, timeout: float = 120.0) -> None:
 
 
 @contextlib.contextmanager
-def vllm_server(model_dir: Path, **kwargs) -> Iterator[VLLMServer]:
+def vllm_server(model_dir: Path, **kwargs: Any) -> Iterator[VLLMServer]:
     """Context manager around :func:`start_vllm_server`; always stops the process group."""
     server = start_vllm_server(model_dir, **kwargs)
     try:
@@ -339,9 +342,9 @@ def read_metrics(base_url: str, headers: dict[str, str] | None = None,
         return parse_metrics(r.read().decode())
 
 
-def wait_for_metric(base_url: str, key: str, predicate, timeout: float = 10.0,
-                    interval: float = 0.05, headers: dict[str, str] | None = None
-                    ) -> tuple[bool, float, dict[str, float]]:
+def wait_for_metric(base_url: str, key: str, predicate: Callable[[float], bool],
+                    timeout: float = 10.0, interval: float = 0.05,
+                    headers: dict[str, str] | None = None) -> tuple[bool, float, dict[str, float]]:
     """Poll metrics until ``predicate(metrics[key])``; return (ok, elapsed_s, last_metrics)."""
     t0 = time.monotonic()
     m = read_metrics(base_url, headers)
