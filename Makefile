@@ -80,6 +80,7 @@ bench-quick: $(STAMP)
 	$(BIN)/python -m bench --quick
 
 lint: $(STAMP)
-	$(BIN)/ruff check sidecar engine tests demo bench
+	$(BIN)/ruff check sidecar engine tests demo bench tools
 	$(BIN)/mypy
+	$(BIN)/python -m tools.check_tasks sidecar engine
 	$(BIN)/hadolint Dockerfile

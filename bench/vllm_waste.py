@@ -15,22 +15,22 @@ unexplained 2.4 s gap between the sidecar noticing the close and its call leavin
 again in 25 runs); otherwise the sidecar's call leaves within ~2 ms of the close (median 0.4
 ms).
 
-Method (``run``): one vLLM server (``tests.e2e.vllm_server``, ``HideDisconnectMiddleware``, the
-``E2E_MODEL_KWARGS`` model), one sidecar CLI subprocess (``tests.e2e.sidecar_process``), a raw
-client (``tests.e2e.measure.RawClient``) that resets its connection once vLLM's
-``continuous_usage_stats`` say it has received 64 tokens, and ``MetricsSampler`` polling
-``/metrics`` every 10 ms (``stop_ms_sidecar``: close -> ``vllm:num_requests_running`` == 0).
-vLLM's own counter cannot give the figure: ``vllm:generation_tokens_total`` is counted in the
-API process, which skips every output of a request once it has handled its abort
-(``v1/engine/output_processor.py`` lines 712-715, "Ignore output for already-aborted request"),
-while the engine core goes on stepping until the ABORT message reaches it; and the client's own
-count lags the engine by up to ~450 tokens when the box is loaded. So the vLLM processes get
-probes through a generated ``sitecustomize`` (on the ``PYTHONPATH`` of the vLLM subprocess only;
-no vLLM file changes): the engine core logs ``(time, request id, output tokens)`` after every
-``Scheduler.update_from_output``, each ABORT reaching its input thread, and each
-``Scheduler.finish_requests``; the API process logs when ``AsyncLLM.abort`` starts. Times are
-``time.monotonic()`` (CLOCK_MONOTONIC, one clock for every process on the machine), so they line
-up with the client's close and with the sidecar's log lines (wall clock, ms, converted).
+Method (``run``): one vLLM server (``tests.harness.e2e.vllm_server``,
+``HideDisconnectMiddleware``, the ``E2E_MODEL_KWARGS`` model), one sidecar CLI subprocess
+(``tests.harness.e2e.sidecar_process``), a raw client (``tests.harness.e2e.measure.RawClient``) that
+resets its connection once vLLM's ``continuous_usage_stats`` say it has received 64 tokens, and
+``MetricsSampler`` polling ``/metrics`` every 10 ms (``stop_ms_sidecar``: close ->
+``vllm:num_requests_running`` == 0). vLLM's own counter cannot give the figure:
+``vllm:generation_tokens_total`` is counted in the API process, which skips every output of a
+request once it has handled its abort (``v1/engine/output_processor.py`` lines 712-715, "Ignore
+output for already-aborted request"), while the engine core goes on stepping until the ABORT message
+reaches it; and the client's own count lags the engine by up to ~450 tokens when the box is loaded.
+So the vLLM processes get probes through a generated ``sitecustomize`` (on the ``PYTHONPATH`` of the
+vLLM subprocess only; no vLLM file changes): the engine core logs ``(time, request id, output
+tokens)`` after every ``Scheduler.update_from_output``, each ABORT reaching its input thread, and
+each ``Scheduler.finish_requests``; the API process logs when ``AsyncLLM.abort`` starts. Times are
+``time.monotonic()`` (CLOCK_MONOTONIC, one clock for every process on the machine), so they line up
+with the client's close and with the sidecar's log lines (wall clock, ms, converted).
 
 The chain after the close (``chain_ms`` of each trial; vLLM 0.32 source under
 ``site-packages/vllm``), and what bounds the sidecar figure:
@@ -225,7 +225,7 @@ class Trial:
 async def _trial(kind: str, base_url: str, model: Path, engine: Any, probes: Path,
                  sidecar: Any | None, interval: float) -> Trial:
     from demo.__main__ import settled_tokens
-    from tests.e2e.measure import MetricsSampler, RawClient
+    from tests.harness.e2e.measure import MetricsSampler, RawClient
 
     max_tokens = DIRECT_MAX_TOKENS if kind == "direct" else SIDECAR_MAX_TOKENS
     body = {"model": str(model), "messages": [{"role": "user", "content": "tell me a story"}],
@@ -314,7 +314,7 @@ async def _unobserved_rate(model: Path, engine: Any, probes: Path) -> float:
     """The engine's decode rate for one stream with nobody polling ``/metrics`` and the client
     reading the whole stream (``DIRECT_MAX_TOKENS`` tokens): what the engine does when the
     measurement does not share its 2 cores."""
-    from tests.e2e.measure import RawClient
+    from tests.harness.e2e.measure import RawClient
 
     mark = len(read_probes(probes))
     body = {"model": str(model), "messages": [{"role": "user", "content": "tell me a story"}],
@@ -396,9 +396,13 @@ def run(quick: bool = False, say: Callable[[str], None] | None = None,
 
     Raises ``RuntimeError`` if vLLM or the sidecar does not start, ``AssertionError`` if the engine
     does not behave as expected (e.g. does not go idle)."""
-    from tests.e2e.sidecar_process import start_sidecar
-    from tests.e2e.tiny_model import E2E_MODEL_KWARGS, build_tiny_model
-    from tests.e2e.vllm_server import HIDE_DISCONNECT_MIDDLEWARE, REPO_ROOT, start_vllm_server
+    from tests.harness.e2e.sidecar_process import start_sidecar
+    from tests.harness.e2e.tiny_model import E2E_MODEL_KWARGS, build_tiny_model
+    from tests.harness.e2e.vllm_server import (
+        HIDE_DISCONNECT_MIDDLEWARE,
+        REPO_ROOT,
+        start_vllm_server,
+    )
 
     say = say or (lambda msg: None)
     runs = QUICK_RUNS if quick else FULL_RUNS

@@ -21,10 +21,10 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from tests.e2e.measure import MetricsSampler, RawClient
-from tests.e2e.sidecar_process import SidecarProcess, start_sidecar
-from tests.e2e.tiny_model import E2E_MODEL_KWARGS, build_tiny_model
-from tests.e2e.vllm_server import (
+from tests.harness.e2e.measure import MetricsSampler, RawClient
+from tests.harness.e2e.sidecar_process import SidecarProcess, start_sidecar
+from tests.harness.e2e.tiny_model import E2E_MODEL_KWARGS, build_tiny_model
+from tests.harness.e2e.vllm_server import (
     HIDE_DISCONNECT_MIDDLEWARE,
     VLLMServer,
     read_metrics,

@@ -20,9 +20,9 @@ from prometheus_client import CollectorRegistry
 
 from sidecar import server
 from sidecar.config import Settings, parse_config
-from tests.fake_engine import FakeEngine
-from tests.kind_engines import SGLangEngine
-from tests.support import Stalls
+from tests.fakes.engine import FakeEngine
+from tests.fakes.kinds import SGLangEngine
+from tests.harness.support import Stalls
 
 
 def pytest_asyncio_loop_factories(config: pytest.Config, item: pytest.Item
@@ -54,7 +54,7 @@ async def engine() -> AsyncIterator[FakeEngine]:
 
 @pytest_asyncio.fixture
 async def sglang() -> AsyncIterator[SGLangEngine]:
-    """The fake SGLang server of :mod:`tests.kind_engines`."""
+    """The fake SGLang server of :mod:`tests.fakes.kinds`."""
     fake = SGLangEngine()
     await fake.start()
     yield fake
@@ -65,7 +65,7 @@ def sidecar_settings(engine_url: str, *, confirm: bool = True, **overrides: Any)
     """A config for one vLLM-kind engine at ``engine_url``, free ports; ``overrides`` are merged
     into the YAML tree (e.g. ``upstream={"first_byte_timeout_s": 0.5}``). ``confirm=False``:
     ``abort.confirm_timeout_s: 0``, for an upstream that never ends an aborted response (a raw
-    server of :mod:`tests.upstreams`): the upstream closed at once, one call, ``accepted``."""
+    server of :mod:`tests.fakes.upstreams`): the upstream closed at once, one call, ``accepted``."""
     tree: dict[str, Any] = {
         "listen": {"host": "127.0.0.1", "port": 0},
         "admin": {"host": "127.0.0.1", "port": 0},
@@ -112,7 +112,7 @@ async def sidecar(engine: FakeEngine, start_sidecar: Callable[..., Any]) -> serv
 
 @pytest.fixture(scope="session", name="stalls")
 def stall_monitor() -> Iterator[Stalls]:
-    """Records when this test process did not run (see :class:`tests.support.Stalls`)."""
+    """Records when this test process did not run (see :class:`tests.harness.support.Stalls`)."""
     monitor = Stalls()
     yield monitor
     monitor.stop()

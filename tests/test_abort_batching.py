@@ -7,7 +7,7 @@ those calls). Now ids of requests that disconnect together go out in a few large
 ``MAX_CALLS_PER_ENGINE`` at once, and every request's outcome is counted.
 
 Clients are raw sockets, cut with a TCP reset (SO_LINGER 0 + ``transport.abort()``) all in the
-same event-loop turn; the engine is :mod:`tests.fake_engine` with ``abort_delay`` set. Run with
+same event-loop turn; the engine is :mod:`tests.fakes.engine` with ``abort_delay`` set. Run with
 ``-s`` to see the numbers. The first calls' batching is the subject: confirmation (its re-sends
 until the engine ends each request, ``tests/test_confirmed_aborts.py``) is off here
 (``abort.confirm_timeout_s: 0``), so every id is named exactly once and ends ``accepted``.
@@ -32,8 +32,8 @@ from engine.vllm import MAX_IDS_PER_CALL
 from sidecar.abort import MAX_CALLS_PER_ENGINE
 from sidecar.server import Servers
 from tests.conftest import sidecar_settings
-from tests.fake_engine import ABORT_PATH, FakeEngine
-from tests.support import (
+from tests.fakes.engine import ABORT_PATH, FakeEngine
+from tests.harness.support import (
     COMPLETIONS,
     GUARD_S,
     WAIT_S,

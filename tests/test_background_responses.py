@@ -11,7 +11,7 @@ whole; the request is counted in ``cancel_sidecar_kept_requests_total`` and its 
 says ``kept_by_engine``. ``POST /v1/responses/{id}/cancel`` passes through to the engine. A
 ``/v1/responses`` request that is not background is still aborted when its client leaves.
 
-The engine is :class:`tests.responses_engine.ResponsesEngine`, written from vLLM's source. The
+The engine is :class:`tests.fakes.responses.ResponsesEngine`, written from vLLM's source. The
 sidecar runs through :func:`sidecar.server.start` (the ``start_sidecar`` fixture: the CLI's
 wiring); clients are raw sockets (RST and FIN), aiohttp and the ``openai`` SDK. The adapters'
 decision itself is tested first, one table for vLLM and SGLang.
@@ -36,9 +36,9 @@ from engine.vllm import VLLMAdapter
 from sidecar.config import EngineKind, EngineSettings
 from sidecar.server import Servers
 from tests.conftest import sidecar_settings
-from tests.kind_engines import SGLangEngine, Work
-from tests.responses_engine import Background, ResponsesEngine
-from tests.support import WAIT_S, Stalls, metrics, raw_client, sample, settle
+from tests.fakes.kinds import SGLangEngine, Work
+from tests.fakes.responses import Background, ResponsesEngine
+from tests.harness.support import WAIT_S, Stalls, metrics, raw_client, sample, settle
 
 pytestmark = pytest.mark.timeout(60)
 

@@ -7,9 +7,9 @@ Everything runs through the production wiring: :func:`sidecar.server.start` (the
 ``start_sidecar`` fixtures, ``AppRunner`` with handler cancellation, what the CLI runs) and, in
 the ``test_cli_*`` tests, the real ``python -m sidecar`` subprocess. Clients are raw sockets
 (exact disconnect timing: ``rst`` = SO_LINGER 0 + close, ``fin`` = close, ``half`` = shutdown of
-the write side only) and aiohttp clients; the engine is :mod:`tests.fake_engine` on 127.0.0.1.
+the write side only) and aiohttp clients; the engine is :mod:`tests.fakes.engine` on 127.0.0.1.
 
-Timing: as described in :mod:`tests.support` (event-driven waits, process stalls excluded,
+Timing: as described in :mod:`tests.harness.support` (event-driven waits, process stalls excluded,
 latencies compared with ``GUARD_S`` and printed with ``-s``).
 """
 
@@ -32,8 +32,8 @@ import yaml
 
 from sidecar.server import ReadyLine, Servers
 from tests.conftest import sidecar_settings
-from tests.fake_engine import FakeEngine
-from tests.support import (
+from tests.fakes.engine import FakeEngine
+from tests.harness.support import (
     CHAT,
     COMPLETIONS,
     FOREVER,

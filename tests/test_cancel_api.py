@@ -6,7 +6,7 @@ as ``APIError``, then the end of the stream).
 Production wiring throughout: :func:`sidecar.server.start` (the ``start_sidecar`` fixture);
 ``--workers 2`` (the supervisor asking its workers) is ``tests/test_cancel_workers.py``.
 Clients are raw sockets (to see the chunk framing and how the body ended), aiohttp and the
-openai SDK; the engine is :mod:`tests.fake_engine`.
+openai SDK; the engine is :mod:`tests.fakes.engine`.
 Waits are event-driven with a generous limit (``WAIT_S``).
 """
 
@@ -26,10 +26,10 @@ import pytest
 from sidecar.config import load_config, parse_config
 from sidecar.errors import ConfigError
 from sidecar.server import Servers
-from tests import rawhttp
 from tests.conftest import sidecar_settings
-from tests.fake_engine import FakeEngine
-from tests.support import metrics, no_event, settle
+from tests.fakes.engine import FakeEngine
+from tests.harness import rawhttp
+from tests.harness.support import metrics, no_event, settle
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -105,7 +105,7 @@ async def test_cancel_mid_stream_ends_sse_with_an_error_event(
         size = int((await reader.readuntil(b"\r\n")).split(b";")[0], 16)
         first = (await reader.readexactly(size + 2))[:-2]
         assert first.startswith(b"data: ") and first.endswith(b"\n\n"), first
-        status, answer = await cancel(servers.admin_port, request_id)
+        status, answer = await cancel(servers.admin_port or 0, request_id)
         rest = await rawhttp.read_body(reader, head, "POST")
     assert (status, answer) == (200, {"id": request_id, "cancelled": True,
                                       "phase": "streaming"}), (status, answer)
@@ -115,7 +115,7 @@ async def test_cancel_mid_stream_ends_sse_with_an_error_event(
     assert b"[DONE]" not in rest.body, "a cancelled stream must not claim success with [DONE]"
     await aborted_once(engine, [f"chatcmpl-{request_id}"], servers.proxy_port)
 
-    values = await metrics(servers.admin_port)
+    values = await metrics(servers.admin_port or 0)
     route_phase = frozenset({("route", "/"), ("phase", "streaming")})
     assert values.get(("cancel_sidecar_cancelled_requests_total", route_phase)) == 1.0, values
     disconnects = [v for (n, _), v in values.items()
@@ -148,7 +148,7 @@ async def test_openai_sdk_raises_api_error_on_a_cancelled_stream(
             async for chunk in stream:
                 texts.append(str(chunk))
                 if answer is None:
-                    answer = await cancel(servers.admin_port, request_id)
+                    answer = await cancel(servers.admin_port or 0, request_id)
     assert answer == (200, {"id": request_id, "cancelled": True, "phase": "streaming"}), answer
     assert caught.value.message == "request cancelled", f"got {caught.value!r}"
     assert caught.value.body == {"message": "request cancelled", "type": "cancelled",
@@ -164,7 +164,7 @@ async def test_cancel_while_queued_answers_499_json(
     async with asyncio.timeout(WAIT_S), aiohttp.ClientSession() as session:
         client = asyncio.ensure_future(session.post(url, data=chat_body(stream=True)))
         request_id = await started_request_id(engine)
-        status, answer = await cancel(servers.admin_port, request_id)
+        status, answer = await cancel(servers.admin_port or 0, request_id)
         response = await client
         body = await response.json()
     assert (status, answer) == (200, {"id": request_id, "cancelled": True,
@@ -185,7 +185,7 @@ async def test_cancel_non_streaming_openai_sdk_gets_499_without_retrying(
             model="m", messages=[{"role": "user", "content": "hi"}],
             extra_query={"tokens": 1000, "interval": 0.01}))
         request_id = await started_request_id(engine)
-        status, answer = await cancel(servers.admin_port, request_id)
+        status, answer = await cancel(servers.admin_port or 0, request_id)
         with pytest.raises(openai.APIStatusError) as caught:
             await call
     assert (status, answer) == (200, {"id": request_id, "cancelled": True,
@@ -198,15 +198,15 @@ async def test_cancel_non_streaming_openai_sdk_gets_499_without_retrying(
 async def test_unknown_and_second_cancel_are_404(
         engine: FakeEngine, start_sidecar: Callable[..., Any]) -> None:
     servers: Servers = await start_sidecar(sidecar_settings(engine.url))
-    status, answer = await cancel(servers.admin_port, "0" * 32)
+    status, answer = await cancel(servers.admin_port or 0, "0" * 32)
     assert status == 404 and answer["error"]["type"] == "not_found", (status, answer)
 
     url = f"http://127.0.0.1:{servers.proxy_port}{CHAT}?first_byte_delay=30"
     async with asyncio.timeout(WAIT_S), aiohttp.ClientSession() as session:
         client = asyncio.ensure_future(session.post(url, data=chat_body(stream=True)))
         request_id = await started_request_id(engine)
-        first = await cancel(servers.admin_port, request_id)
-        second = await cancel(servers.admin_port, request_id)
+        first = await cancel(servers.admin_port or 0, request_id)
+        second = await cancel(servers.admin_port or 0, request_id)
         (await client).release()
     assert first[0] == 200, first
     assert second[0] == 404 and second[1]["error"]["type"] == "not_found", second
@@ -221,9 +221,9 @@ async def test_cancel_token_is_required_when_configured(
         engine.url, admin={"cancel_token": TOKEN}))
     unknown = "0" * 32
     for token in (None, "wrong", TOKEN + "x", TOKEN[:-1]):
-        status, answer = await cancel(servers.admin_port, unknown, token)
+        status, answer = await cancel(servers.admin_port or 0, unknown, token)
         assert status == 401 and answer["error"]["type"] == "unauthorized", (token, answer)
-    status, answer = await cancel(servers.admin_port, unknown, TOKEN)
+    status, answer = await cancel(servers.admin_port or 0, unknown, TOKEN)
     assert status == 404, f"the right token must pass to the lookup, got {status} {answer}"
     assert TOKEN not in caplog.text, "the cancel token must never be logged"
 
@@ -298,7 +298,7 @@ async def test_cancel_while_the_client_sends_its_body_answers_499_without_abort(
             "expected the engine to see the request start while its body streams")
         request_id = engine.watch.on(CHAT)[0].request_id
         assert request_id is not None
-        status, answer = await cancel(servers.admin_port, request_id)
+        status, answer = await cancel(servers.admin_port or 0, request_id)
         head = await rawhttp.read_head(reader)
         response = await rawhttp.read_body(reader, head, "POST")
         rest = await reader.read()  # the sidecar closes the connection: the body is never read
@@ -332,7 +332,7 @@ async def test_cancel_while_a_json_body_is_relayed_cuts_it_short(
         first = await reader.read(int(length))
         request_id = head.get("X-Request-Id")
         assert request_id, head.headers
-        status, answer = await cancel(servers.admin_port, request_id)
+        status, answer = await cancel(servers.admin_port or 0, request_id)
         rest = await reader.read()  # to the end: the sidecar closes the connection
     assert (status, answer) == (200, {"id": request_id, "cancelled": True,
                                       "phase": "awaiting_response"}), (status, answer)
@@ -340,7 +340,7 @@ async def test_cancel_while_a_json_body_is_relayed_cuts_it_short(
     assert 0 < len(got) < int(length), (
         f"expected the body cut short of its {length} bytes, got {len(got)}: {got!r}")
     await aborted_once(engine, [f"chatcmpl-{request_id}"], servers.proxy_port)
-    values = await metrics(servers.admin_port)
+    values = await metrics(servers.admin_port or 0)
     labels = frozenset({("route", "/"), ("phase", "awaiting_response")})
     assert values.get(("cancel_sidecar_cancelled_requests_total", labels)) == 1.0, values
 
@@ -365,14 +365,14 @@ async def test_after_done_a_cancel_or_deadline_adds_nothing_to_the_stream(
         assert head.status == 200 and request_id, head
         seen = await reader.readuntil(b"data: [DONE]\n\n\r\n")  # its chunk ends there
         if ending == "cancel_api":
-            status, answer = await cancel(servers.admin_port, request_id)
+            status, answer = await cancel(servers.admin_port or 0, request_id)
             assert status == 404, f"a finished stream cannot be cancelled: {status} {answer}"
         rest = await rawhttp.read_body(reader, head, "POST")
     assert rest.ending == "complete", f"expected the stream properly ended, got {rest.ending}"
     assert b"error" not in rest.body and seen.count(b"data:") == 4, (seen, rest.body)
     await asyncio.sleep(0.3)
     assert engine.record.aborts == [], engine.record.aborted_ids()
-    values = await metrics(servers.admin_port)
+    values = await metrics(servers.admin_port or 0)
     early = [(n, v) for (n, _), v in values.items() if v and n in (
         "cancel_sidecar_cancelled_requests_total", "cancel_sidecar_deadline_exceeded_total",
         "cancel_sidecar_client_disconnects_total")]

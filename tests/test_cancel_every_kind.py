@@ -2,7 +2,7 @@
 any way, gets its upstream connection closed and the engine's work for it stopped, with no
 other client's work touched.
 
-Each kind runs against the fake of ``tests/kind_engines.py`` that follows that kind's documented
+Each kind runs against the fake of ``tests/fakes/kinds.py`` that follows that kind's documented
 behaviour (vLLM: ids from ``X-Request-Id``, exact-id aborts; SGLang: the body ``rid``, batch
 children, always-200 aborts, prefix matching; openai: no abort endpoint), and a fifth case is a
 vLLM started without ``--enable-scale-out`` (its abort route answers 403). The fakes keep
@@ -25,7 +25,7 @@ counted with its phase, and a concurrent request on the same engine streamed to 
 untouched. Production wiring throughout (``start_sidecar``: :func:`sidecar.server.start`, the
 ``AppRunner`` the CLI runs, handler cancellation on) and, in ``test_cli_*``, the real
 ``python -m sidecar`` subprocess; clients are raw sockets (``rst``, ``fin``, ``half``), aiohttp
-and the ``openai`` SDK. Timing as in :mod:`tests.support`.
+and the ``openai`` SDK. Timing as in :mod:`tests.harness.support`.
 """
 
 from __future__ import annotations
@@ -43,10 +43,10 @@ import pytest
 import pytest_asyncio
 
 from sidecar.server import Servers
-from tests.cli_process import cli_process, config_tree
 from tests.conftest import sidecar_settings
-from tests.kind_engines import KindEngine, OpenAIEngine, SGLangEngine, VLLMEngine, Work
-from tests.support import (
+from tests.fakes.kinds import KindEngine, OpenAIEngine, SGLangEngine, VLLMEngine, Work
+from tests.harness.cli_process import cli_process, config_tree
+from tests.harness.support import (
     API_KEY,
     FOREVER,
     QUIET_S,
@@ -199,7 +199,7 @@ async def check_stopped(stalls: Stalls, d: Deployment, victim: Work, at: float, 
         assert victim.stopped_at is not None
         note += f", work stopped {ms(stalls.check('the work to stop', at, victim.stopped_at))}"
     await settle(d.port)
-    print(f"[{d.name} {label}] {note}{stalls.note(at, victim.stopped_at or victim.closed_at)}")
+    print(f"[{d.name} {label}] {note}{stalls.note(at, victim.stopped_at or ended)}")
     calls = fake.calls
     if not kind.calls:
         assert calls == [] and fake.unknown_paths == [], (

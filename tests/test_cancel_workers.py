@@ -3,8 +3,8 @@ every worker over its control listener (a Unix socket in the supervisor's 0700 r
 the worker holding the request cancels it exactly as a single process does
 (``tests/test_cancel_api.py``).
 
-Everything runs as production does: the real CLI in a subprocess (:mod:`tests.cli_process`),
-:class:`tests.fake_engine.FakeEngine`, raw-socket clients. Which worker holds a request is read
+Everything runs as production does: the real CLI in a subprocess (:mod:`tests.harness.cli_process`),
+:class:`tests.fakes.engine.FakeEngine`, raw-socket clients. Which worker holds a request is read
 from the sockets (psutil): each streaming request holds one upstream connection to the engine,
 owned by the worker process serving it. ``test_cancel_latency_*`` prints the cancel call's
 latency through the supervisor and in one process (``pytest -s``).
@@ -32,9 +32,9 @@ import pytest
 import yaml
 
 from sidecar.server import ReadyLine
-from tests import rawhttp
-from tests.cli_process import REPO, cli_process, config_tree
-from tests.fake_engine import FakeEngine, Generation
+from tests.fakes.engine import FakeEngine, Generation
+from tests.harness import rawhttp
+from tests.harness.cli_process import REPO, cli_process, config_tree
 
 pytestmark = pytest.mark.timeout(90)
 
@@ -209,7 +209,9 @@ async def test_control_sockets_are_unix_only_in_a_private_directory_removed_at_e
         mode = stat.S_IMODE(run_dir.stat().st_mode)
         owner = run_dir.stat().st_uid
         sockets = {p.name: stat.S_ISSOCK(p.stat().st_mode) for p in paths}
-        unix = {w.pid: {c.laddr for c in w.net_connections("unix")} for w in workers}
+        # A Unix socket's laddr is its path, a str (types-psutil types it as an address tuple).
+        unix: dict[int, set[object]] = {
+            w.pid: {c.laddr for c in w.net_connections("unix")} for w in workers}
         tcp_listening = {p.pid: {c.laddr.port for c in p.net_connections("inet")
                                  if c.status == psutil.CONN_LISTEN}
                          for p in (supervisor, *workers)}

@@ -15,7 +15,7 @@ import pytest
 from engine import ADAPTERS
 from sidecar.config import parse_config
 from sidecar.errors import ConfigError
-from tests.cli_process import cli_process, config_tree
+from tests.harness.cli_process import cli_process, config_tree
 
 SECRET = "sk-very-secret-value"
 

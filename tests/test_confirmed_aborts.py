@@ -3,7 +3,7 @@ own word (the request's response ending aborted) is what stops the re-sends.
 
 vLLM run as ``vllm serve --api-server-count N`` answers 200 to an abort that reaches another
 process than the request's owner and changes nothing (``../shared/notes/cancellation-facts.md``).
-The fake of ``tests/kind_engines.py`` plays that (``VLLMEngine(api_servers=N, accept=...)``: each
+The fake of ``tests/fakes/kinds.py`` plays that (``VLLMEngine(api_servers=N, accept=...)``: each
 connection belongs to one process, chosen skewed towards idle ones; ``AbortCall.missed``) and,
 like vLLM, ends an aborted response at once with ``"finish_reason": "abort"``. "Stopped" is read
 at the engine (``Work``), never from the sidecar's logs.
@@ -18,7 +18,7 @@ at the engine (``Work``), never from the sidecar's logs.
   200 reset at once: all 200 stopped, the other 200 byte-identical to their end.
 - ``test_registration_race_confirmed_with_fewer_calls``: one process, ids registered 50 ms after
   the body, the client gone at once: confirmed, in fewer calls than the blind schedule of a
-  2 s window (:func:`tests.support.max_calls`).
+  2 s window (:func:`tests.harness.support.max_calls`).
 - ``test_first_call_fans_out_once_several_processes_seen`` (N = 1, 4): clients that leave one
   after another; behind 4 processes, once a request needed 2 re-sends, every first call goes on
   ``abort.fanout`` connections at once; behind one, one call per request.
@@ -38,8 +38,9 @@ import logging
 import random
 import socket
 from collections import Counter
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Coroutine
 from contextlib import AsyncExitStack
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -51,11 +52,11 @@ import yaml
 from sidecar.abort_wire import RECYCLE_S
 from sidecar.config import parse_config
 from sidecar.server import Servers
-from tests.cli_process import cli_process, config_tree
-from tests.fake_engine import FakeEngine
-from tests.kind_engines import VLLMEngine, Work, stream_bytes
-from tests.rawhttp import dechunk
-from tests.support import (
+from tests.fakes.engine import FakeEngine
+from tests.fakes.kinds import VLLMEngine, Work, stream_bytes
+from tests.harness.cli_process import cli_process, config_tree
+from tests.harness.rawhttp import dechunk
+from tests.harness.support import (
     API_KEY,
     FOREVER,
     Stalls,
@@ -122,6 +123,10 @@ def by_tag(fake: VLLMEngine, tag: str) -> Work | None:
                  if isinstance(w.body, dict) and w.body.get("tag") == tag), None)
 
 
+def idle(work: Work) -> bool:
+    return not work.running
+
+
 def calls_naming(fake: VLLMEngine, engine_id: str) -> int:
     return sum(engine_id in c.ids for c in fake.calls)
 
@@ -157,7 +162,7 @@ async def test_no_engine_id_outlives_its_client_behind_n_processes(
     port, admin = servers.proxy_port, servers.admin_port or 0
     cases = [(r, i, h) for r in ROUTES for i in INSTANTS for h in HOWS]
     random.Random(processes).shuffle(cases)
-    jobs = []
+    jobs: list[Coroutine[Any, Any, str | None]] = []
     for n, (route, instant, how) in enumerate(cases):
         tag = f"v{n}-{route}-{instant}-{how}"
         jobs.append(leave(port, stalls, route, instant, how, tag,
@@ -291,7 +296,7 @@ async def test_registration_race_confirmed_with_fewer_calls(
                    request_body({**body, "tag": tag}, True))
             work = await _arrived(fake, stalls, tag)  # the engine has the body: leave now
             c.disconnect("rst")
-        await stalls.wait(fake.watch.until(lambda w=work: not w.running, FOREVER),
+        await stalls.wait(fake.watch.until(partial(idle, work), FOREVER),
                           f"{tag} stopped", 5.0)
         assert not work.ran_to_end and work.ignored, (
             f"expected the first abort ignored (registering) and the id stopped: {work}")
@@ -321,7 +326,7 @@ async def test_first_call_fans_out_once_several_processes_seen(
             await stalls.wait(c.reader.readuntil(b"data:"), f"{tag}: its first event")
             work = await _arrived(fake, stalls, tag)
             c.disconnect("rst")
-        await stalls.wait(fake.watch.until(lambda w=work: not w.running, FOREVER),
+        await stalls.wait(fake.watch.until(partial(idle, work), FOREVER),
                           f"{tag} stopped", 5.0)
         assert not work.ran_to_end, f"{tag} ran on: {work}"
         engine_id = work.engine_ids[0]

@@ -1,6 +1,6 @@
 """Crash safety: a killed sidecar process leaves no generation running (:mod:`sidecar.inflight`).
 
-Through the CLI (``python -m sidecar``), in front of the vLLM fake of :mod:`tests.kind_engines`,
+Through the CLI (``python -m sidecar``), in front of the vLLM fake of :mod:`tests.fakes.kinds`,
 which generates blind to its connections (as vLLM behind a disconnect-hiding middleware): only
 an abort stops a request. Mixed load runs all the time: streaming chats, JSON chats and 4-prompt
 streaming completions, a third of them registered by the engine 300 ms after their body (inside
@@ -37,9 +37,9 @@ import psutil
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from tests.cli_process import cli_process, config_tree
-from tests.kind_engines import VLLMEngine, stream_bytes
-from tests.rawhttp import dechunk
+from tests.fakes.kinds import VLLMEngine, stream_bytes
+from tests.harness.cli_process import cli_process, config_tree
+from tests.harness.rawhttp import dechunk
 
 pytestmark = pytest.mark.timeout(600)
 
@@ -47,7 +47,7 @@ API_KEY = "crash-key"
 TOKENS = 60  # at 20 ms: 1.2 s of generation once registered
 INTERVAL = 0.02
 LATE_REGISTER_S = 0.3  # a third of the requests: still registering when the kill lands
-ROUTES = [
+ROUTES: list[tuple[str, dict[str, Any], bool]] = [
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}]}, True),
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}]}, False),
     ("/v1/completions", {"prompt": ["a", "b", "c", "d"]}, True),

@@ -4,7 +4,7 @@ the upstream closed, and the client gets a JSON 504 before the head, or mid-SSE 
 event (``deadline_exceeded``) and a proper end of the stream.
 
 Production wiring (:func:`sidecar.server.start`, the ``start_sidecar`` fixture), the fake engine
-of :mod:`tests.fake_engine`, raw-socket, aiohttp and openai SDK clients. Times are guard bounds:
+of :mod:`tests.fakes.engine`, raw-socket, aiohttp and openai SDK clients. Times are guard bounds:
 a deadline of ``D`` must end the request after ``D`` and well before the engine would have.
 """
 
@@ -25,10 +25,10 @@ import pytest
 from sidecar.config import load_config
 from sidecar.errors import ConfigError
 from sidecar.server import Servers
-from tests import rawhttp
 from tests.conftest import sidecar_settings
-from tests.fake_engine import FakeEngine
-from tests.support import metrics
+from tests.fakes.engine import FakeEngine
+from tests.harness import rawhttp
+from tests.harness.support import metrics
 from tests.test_cancel_api import aborted_once, access_line, chat_body
 
 pytestmark = pytest.mark.timeout(60)
@@ -85,7 +85,7 @@ async def test_deadline_mid_stream_ends_sse_with_an_error_event(
     assert request_id, response.headers
     await aborted_once(engine, [f"chatcmpl-{request_id}"], servers.proxy_port)
 
-    values = await metrics(servers.admin_port)
+    values = await metrics(servers.admin_port or 0)
     labels = frozenset({("route", "/"), ("phase", "streaming")})
     assert values.get(("cancel_sidecar_deadline_exceeded_total", labels)) == 1.0, values
     cancelled = [v for (n, _), v in values.items()
@@ -113,7 +113,7 @@ async def test_deadline_while_queued_answers_504_json(
     request_id = response.headers.get("X-Request-Id")
     assert request_id, response.headers
     await aborted_once(engine, [f"chatcmpl-{request_id}"], servers.proxy_port)
-    values = await metrics(servers.admin_port)
+    values = await metrics(servers.admin_port or 0)
     labels = frozenset({("route", "/"), ("phase", "before_first_byte")})
     assert values.get(("cancel_sidecar_deadline_exceeded_total", labels)) == 1.0, values
 
@@ -137,7 +137,7 @@ async def test_deadline_non_streaming_answers_504_and_the_sdk_does_not_retry(
     request_id = caught.value.response.headers.get("x-request-id")
     assert request_id, caught.value.response.headers
     await aborted_once(engine, [f"chatcmpl-{request_id}"], servers.proxy_port)
-    values = await metrics(servers.admin_port)
+    values = await metrics(servers.admin_port or 0)
     labels = frozenset({("route", "/"), ("phase", "awaiting_response")})
     assert values.get(("cancel_sidecar_deadline_exceeded_total", labels)) == 1.0, values
 
@@ -215,7 +215,7 @@ async def test_a_request_done_before_its_deadline_is_never_aborted(
     assert response.body.endswith(b"data: [DONE]\n\n"), response.body[-100:]
     assert r.status == 200 and "choices" in plain, plain
     assert engine.record.aborts == [], f"expected no abort, got {engine.record.aborts}"
-    values = await metrics(servers.admin_port)
+    values = await metrics(servers.admin_port or 0)
     exceeded = [v for (n, _), v in values.items()
                 if n == "cancel_sidecar_deadline_exceeded_total" and v]
     assert exceeded == [], f"expected no deadline exceeded, got {exceeded}"
@@ -288,7 +288,7 @@ async def test_deadline_while_the_client_sends_its_body_answers_504_without_abor
         assert r.status == 200
     assert engine.record.aborts == [], (
         f"the engine never had the whole request: no abort expected, got {engine.record.aborts}")
-    values = await metrics(servers.admin_port)
+    values = await metrics(servers.admin_port or 0)
     labels = frozenset({("route", "/"), ("phase", "request_body")})
     assert values.get(("cancel_sidecar_deadline_exceeded_total", labels)) == 1.0, values
 
@@ -327,7 +327,7 @@ async def test_deadline_while_a_json_body_is_relayed_cuts_it_short(
     await aborted_once(engine, [f"chatcmpl-{request_id}"], servers.proxy_port)
     assert not engine.record.generations[0].finished, "the engine must not have finished"
 
-    values = await metrics(servers.admin_port)
+    values = await metrics(servers.admin_port or 0)
     labels = frozenset({("route", "/"), ("phase", "awaiting_response")})
     assert values.get(("cancel_sidecar_deadline_exceeded_total", labels)) == 1.0, values
     cancelled = frozenset({("route", "/"), ("status_class", "cancelled")})

@@ -23,7 +23,7 @@ turn or 1-2 turns apart. The winners are printed (``-s``) and in every failure m
 cancel call is written on an admin connection opened beforehand, and a reset is ``SO_LINGER`` 0 +
 close, so each leaves this process at once, in the loop turn the test chose.
 
-Production wiring (:func:`sidecar.server.start`), the fake engine of :mod:`tests.fake_engine`,
+Production wiring (:func:`sidecar.server.start`), the fake engine of :mod:`tests.fakes.engine`,
 raw sockets; waits are event-driven with a guard (``WAIT_S``).
 """
 
@@ -43,10 +43,10 @@ from typing import Any
 import pytest
 
 from sidecar.server import Servers
-from tests import rawhttp
 from tests.conftest import sidecar_settings
-from tests.fake_engine import FakeEngine
-from tests.support import metrics
+from tests.fakes.engine import FakeEngine
+from tests.harness import rawhttp
+from tests.harness.support import metrics
 from tests.test_cancel_api import chat_body
 
 pytestmark = pytest.mark.timeout(60)

@@ -28,8 +28,8 @@ from typing import Any
 import aiohttp
 import pytest
 
-from tests.kind_engines import VLLMEngine, Work
-from tests.rawhttp import exchange, request_bytes
+from tests.fakes.kinds import VLLMEngine, Work
+from tests.harness.rawhttp import exchange, request_bytes
 
 pytestmark = pytest.mark.timeout(60)
 

@@ -4,7 +4,7 @@ concurrently, with the ids its own kind derives; no engine outside the list is c
 The deployment is the one of ``config/examples/fanout.yaml``: the sidecar proxies to a router of
 kind ``openai`` (it has no abort endpoint) and aborts the prefill and decode engines of kind
 ``vllm`` behind it. A fourth engine (``bystander``, vllm) serves another route, without a list.
-All four are :class:`tests.fake_engine.FakeEngine` servers on 127.0.0.1; the router streams the
+All four are :class:`tests.fakes.engine.FakeEngine` servers on 127.0.0.1; the router streams the
 response (a real router forwards the request, with the sidecar's ``X-Request-Id``, to both
 engines; the fakes stand in for that: they only receive aborts). The sidecar runs through the
 production wiring (``start_sidecar``: :func:`sidecar.server.start`).
@@ -18,6 +18,7 @@ from __future__ import annotations
 import asyncio
 import logging
 from collections.abc import AsyncIterator, Callable, Iterator
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -27,11 +28,12 @@ import pytest_asyncio
 import yaml
 
 from engine import build_adapters
-from sidecar.config import ConfigError, Settings, load_config, parse_config
+from sidecar.config import Settings, load_config, parse_config
+from sidecar.errors import ConfigError
 from sidecar.server import Servers
-from tests.fake_engine import HANG_ABORT_PATH, FakeEngine
-from tests.kind_engines import OpenAIEngine, SGLangEngine, VLLMEngine
-from tests.support import (
+from tests.fakes.engine import HANG_ABORT_PATH, FakeEngine
+from tests.fakes.kinds import OpenAIEngine, SGLangEngine, VLLMEngine, Work
+from tests.harness.support import (
     API_KEY,
     COMPLETIONS,
     GUARD_S,
@@ -51,6 +53,10 @@ REPO = Path(__file__).resolve().parent.parent
 PROMPTS = {"prompt": ["a", "b", "c"]}  # a 3-prompt /v1/completions: cmpl-{id}-0..2
 ABORTED = ("prefill", "decode")
 PHASES = {"mid_stream": "?tokens=1000&interval=0.01", "queued": "?first_byte_delay=30"}
+
+
+def has_stopped(work: Work) -> bool:
+    return work.stopped_at is not None
 
 
 def expected_ids(sidecar_id: str) -> list[str]:
@@ -194,7 +200,7 @@ MIXED_PHASES = {"mid_stream": ("?tokens=3000&interval=0.01", True),
 async def test_mixed_kinds_each_stop_the_work_under_their_own_ids(
         start_sidecar: Callable[..., Any], stalls: Stalls, phase: str) -> None:
     """A router (kind openai) forwards a 3-prompt completion to a vLLM prefill engine and an
-    SGLang decode engine (``tests/kind_engines.py``: the request runs on both, under each kind's
+    SGLang decode engine (``tests/fakes/kinds.py``: the request runs on both, under each kind's
     own ids, and goes on after the router's connection closes). The client leaves: each engine
     gets its own kind's abort (vLLM one call with ``cmpl-{id}-0..2``, SGLang one call per
     ``{id}_{i}``, the ``rid`` the sidecar wrote into the body), and its work stops."""
@@ -226,7 +232,7 @@ async def test_mixed_kinds_each_stop_the_work_under_their_own_ids(
             works = {"prefill": prefill.works[0], "decode": decode.works[0]}
             for name, fake in (("prefill", prefill), ("decode", decode)):
                 work = works[name]
-                await stalls.wait(fake.watch.until(lambda w=work: w.stopped_at is not None, 3600),
+                await stalls.wait(fake.watch.until(partial(has_stopped, work), 3600),
                                   f"the work at {name} to stop")
         await settle(servers.proxy_port)
         sid = works["prefill"].request_id_header
@@ -272,6 +278,7 @@ async def test_fanout_calls_are_concurrent(deployment: Deployment,
 async def test_one_failing_engine_does_not_stop_the_others(
         deployment: Deployment, start_sidecar: Callable[..., Any], stalls: Stalls,
         access_lines: AccessLines, fault: str) -> None:
+    abort: dict[str, dict[str, Any]]
     if fault == "http_500":
         deployment["prefill"].record.abort_status = 500
         abort = {"prefill": {"retries": 0}}

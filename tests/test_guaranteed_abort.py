@@ -3,7 +3,7 @@ generation running at the engine, even while the engine is still registering the
 
 vLLM and SGLang learn a request's engine ids only some time after the whole body arrived (chat
 template, tokenization, media fetches); an abort naming an id not registered yet is a no-op,
-answered 200 (``../shared/notes/cancellation-facts.md``). The fakes of ``tests/kind_engines.py``
+answered 200 (``../shared/notes/cancellation-facts.md``). The fakes of ``tests/fakes/kinds.py``
 do the same (``register_delay``, ``register_stagger``) and keep generating for a closed request
 until every id is aborted or it reaches its last token, so "nothing ran to its end" is the
 engine's observation, never the sidecar's word (no log or metric is read here).
@@ -38,15 +38,15 @@ ways          ``rst`` (SO_LINGER 0), ``fin`` (close), ``half`` (shutdown(SHUT_WR
 Per case: if the engine got the whole body, every engine id of the request is stopped (aborted
 after its registration) and none runs to its end; the calls naming each id stop (none later than
 the registration window's end + ``GUARD_S``, time this process was descheduled excluded) and
-number at least one and at most :func:`tests.support.max_calls` (the documented schedule: the
-first call, re-sends 5 ms after it doubling up to ``resend_max_interval_s``, the last when the
-window closes, plus one for coalescing). A bystander per route and delay (short, read to its end
-by aiohttp) runs to its end and none of its ids is ever named, though re-sends of the others go
-on after it completed. A body that never reached the engine whole (the client left while the
-sidecar was still relaying it: on this loaded machine that happens even 100 ms after the last
-byte) needs no abort; such cases are allowed at the client-timed instants only, and counted in
-the printed summary (run with ``-s``), with the number of cases whose first abort the engine
-ignored because it came before the registration (the race this module is about).
+number at least one and at most :func:`tests.harness.support.max_calls` (the documented
+schedule: the first call, re-sends 5 ms after it doubling up to ``resend_max_interval_s``, the last
+when the window closes, plus one for coalescing). A bystander per route and delay (short, read to
+its end by aiohttp) runs to its end and none of its ids is ever named, though re-sends of the others
+go on after it completed. A body that never reached the engine whole (the client left while the
+sidecar was still relaying it: on this loaded machine that happens even 100 ms after the last byte)
+needs no abort; such cases are allowed at the client-timed instants only, and counted in the printed
+summary (run with ``-s``), with the number of cases whose first abort the engine ignored because it
+came before the registration (the race this module is about).
 
 ``test_after_the_window_one_call`` proves the other side of the bound, through the real
 ``python -m sidecar``: a request that ends after its window (``resend_window_s`` 0.3) gets
@@ -76,9 +76,9 @@ import yaml
 
 from sidecar.config import parse_config
 from sidecar.server import Servers
-from tests.cli_process import cli_process, config_tree
-from tests.kind_engines import KindEngine, SGLangEngine, VLLMEngine, Work
-from tests.support import (
+from tests.fakes.kinds import KindEngine, SGLangEngine, VLLMEngine, Work
+from tests.harness.cli_process import cli_process, config_tree
+from tests.harness.support import (
     API_KEY,
     FOREVER,
     Stalls,

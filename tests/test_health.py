@@ -15,10 +15,10 @@ import pytest_asyncio
 
 from sidecar.server import Servers
 from tests.conftest import sidecar_settings
-from tests.fake_engine import FakeEngine
-from tests.kind_engines import VLLMEngine
-from tests.support import GUARD_S, WAIT_S, metrics, ms
-from tests.upstreams import refused_port
+from tests.fakes.engine import FakeEngine
+from tests.fakes.kinds import VLLMEngine
+from tests.fakes.upstreams import refused_port
+from tests.harness.support import GUARD_S, WAIT_S, metrics, ms
 
 SCALE_OUT = ("start vLLM with --enable-scale-out (its abort endpoint "
              "/inference/v1/abort_requests is disabled)")

@@ -38,8 +38,8 @@ import yaml
 from prometheus_client.parser import text_string_to_metric_families
 
 from sidecar.server import ReadyLine
-from tests.fake_engine import FakeEngine, flood_sha256
-from tests.kind_engines import LINGER_S, VLLMEngine, Work
+from tests.fakes.engine import FakeEngine, flood_sha256
+from tests.fakes.kinds import LINGER_S, VLLMEngine, Work
 
 ROOT = Path(__file__).resolve().parent.parent
 BASE_TAG = "localhost/cancel-sidecar-test-base:bookworm"
@@ -344,7 +344,7 @@ QUIET_AFTER_RESTART_S = 2.0  # nothing runs at the engine this long after the re
 
 @pytest.fixture
 async def blind_engine() -> AsyncIterator[VLLMEngine]:
-    """The vLLM fake of :mod:`tests.kind_engines`: it generates blind to its connections, so a
+    """The vLLM fake of :mod:`tests.fakes.kinds`: it generates blind to its connections, so a
     request whose client is gone runs on until an abort names its ids (or ``LINGER_S``)."""
     fake = VLLMEngine(seed=25)
     await fake.start()

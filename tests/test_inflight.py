@@ -27,7 +27,7 @@ import yaml
 from sidecar import server
 from sidecar.config import parse_config
 from sidecar.inflight import COMPACT_BYTES, orphans
-from tests.kind_engines import VLLMEngine
+from tests.fakes.kinds import VLLMEngine
 
 WRITER = textwrap.dedent("""
     import sys, time

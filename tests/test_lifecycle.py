@@ -2,8 +2,8 @@
 abort the rest, refuse new connections meanwhile, exit 0) and SIGHUP reloads the config (a good
 one applies to new requests while streams in flight continue; a bad one is logged and ignored).
 
-The sidecar is ``python -m sidecar`` (:mod:`tests.cli_process`); the engine is
-:mod:`tests.fake_engine`, in this process. Waits are for events (a stream chunk, a log line, the
+The sidecar is ``python -m sidecar`` (:mod:`tests.harness.cli_process`); the engine is
+:mod:`tests.fakes.engine`, in this process. Waits are for events (a stream chunk, a log line, the
 engine's record, the process exit), each with a guard timeout. Timings are printed (``-s``).
 """
 
@@ -18,8 +18,8 @@ from pathlib import Path
 import aiohttp
 import pytest
 
-from tests.cli_process import CliProcess, cli_process, config_tree
-from tests.fake_engine import FakeEngine
+from tests.fakes.engine import FakeEngine
+from tests.harness.cli_process import CliProcess, cli_process, config_tree
 
 pytestmark = pytest.mark.timeout(60)
 

@@ -1,11 +1,12 @@
 """The ``openai`` kind in front of a real llama.cpp server (``llama-cpp-python[server]``).
 
-The server runs a tiny random Llama written locally as GGUF (:mod:`tests.llamacpp_model`), one
-model, one request at a time (llama-cpp-python serialises requests on one lock). Between the
-sidecar and the server sits a recording TCP tap (:class:`tests.llamacpp_support.Tap`, shared
-with ``tests/test_llamacpp_native.py``): it keeps every byte the server sent and notes when the
-sidecar closed its side, so the tests can say that the client got the server's body byte for
-byte and that a disconnect closed the upstream at once.
+The server runs a tiny random Llama written locally as GGUF
+(:mod:`tests.harness.llamacpp_model`), one model, one request at a time (llama-cpp-python serialises
+requests on one lock). Between the sidecar and the server sits a recording TCP tap
+(:class:`tests.harness.llamacpp_support.Tap`, shared with ``tests/test_llamacpp_native.py``): it
+keeps every byte the server sent and notes when the sidecar closed its side, so the tests can say
+that the client got the server's body byte for byte and that a disconnect closed the upstream at
+once.
 
 What the server does after the close is measured from its side: its process's CPU seconds after
 the disconnect (a server still generating burns about one core) and the time it then takes to
@@ -31,7 +32,7 @@ import aiohttp
 import pytest
 import pytest_asyncio
 
-from tests.llamacpp_support import (
+from tests.harness.llamacpp_support import (
     LLAMA_PY,
     LLAMA_REQUIRED,
     WATCH_S,

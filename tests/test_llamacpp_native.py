@@ -1,9 +1,9 @@
 """The ``openai`` kind in front of llama.cpp's own C++ server (what ``llama-server`` runs), as the
-``xllamacpp`` wheel bundles it (:mod:`tests.llamacpp_native_server`).
+``xllamacpp`` wheel bundles it (:mod:`tests.harness.llamacpp_native_server`).
 
 The same tiny GGUF model, tap and sidecar as ``tests/test_llamacpp.py`` (llama-cpp-python's
-Python server; :mod:`tests.llamacpp_support`), one slot, one thread. What the server does after
-a disconnect is read from its side: its process's CPU seconds, how long the next request waits
+Python server; :mod:`tests.harness.llamacpp_support`), one slot, one thread. What the server does
+after a disconnect is read from its side: its process's CPU seconds, how long the next request waits
 (one slot: a server still generating makes it wait), its ``/metrics`` (``llamacpp:n_decode_total``:
 one ``llama_decode`` call per generated token with one slot busy), its ``/slots``
 (``is_processing``, ``n_decoded``) and its log (``stop: cancel task, id_task = N`` when it drops
@@ -37,7 +37,7 @@ import aiohttp
 import pytest
 import pytest_asyncio
 
-from tests.llamacpp_support import (
+from tests.harness.llamacpp_support import (
     BASELINE,
     LLAMA_PY,
     LLAMA_REQUIRED,
@@ -93,7 +93,7 @@ def model(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 def _native(model: Path, slots: int) -> Iterator[ServerProcess]:
     port = free_port()
-    with serving([LLAMA_PY, "-m", "tests.llamacpp_native_server", str(model), str(port),
+    with serving([LLAMA_PY, "-m", "tests.harness.llamacpp_native_server", str(model), str(port),
                   str(slots)], port, model.parent / f"server-{slots}-slots.log",
                  cwd=ROOT) as running:
         yield running

@@ -31,9 +31,9 @@ from sidecar.config import parse_config
 from sidecar.errors import ConfigError
 from sidecar.server import ReadyLine, Servers
 from tests.conftest import sidecar_settings
-from tests.fake_engine import FakeEngine
-from tests.support import WAIT_S, Stalls, raw_client, request_body, wait_metric
-from tests.upstreams import refused_port
+from tests.fakes.engine import FakeEngine
+from tests.fakes.upstreams import refused_port
+from tests.harness.support import WAIT_S, Stalls, raw_client, request_body, wait_metric
 
 pytestmark = pytest.mark.timeout(60)
 

@@ -21,8 +21,9 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from sidecar.server import Servers
 from tests.conftest import sidecar_settings
-from tests.fake_engine import HANG_ABORT_PATH, FakeEngine
-from tests.support import (
+from tests.fakes.engine import HANG_ABORT_PATH, FakeEngine
+from tests.fakes.upstreams import refused_port
+from tests.harness.support import (
     FOREVER,
     WAIT_S,
     Stalls,
@@ -32,7 +33,6 @@ from tests.support import (
     samples,
     wait_metric,
 )
-from tests.upstreams import refused_port
 
 pytestmark = pytest.mark.timeout(60)
 

@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from tests.prometheus_server import PROMTOOL
+from tests.harness.prometheus_server import PROMTOOL
 
 ROOT = Path(__file__).resolve().parent.parent
 MONITORING = ROOT / "config" / "monitoring"

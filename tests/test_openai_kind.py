@@ -2,7 +2,7 @@
 Ollama, a hosted API). A disconnect closes the upstream connection at once and calls nothing.
 
 Production wiring (``start_sidecar``: :func:`sidecar.server.start`, handler cancellation on);
-the server is :class:`tests.fake_engine.FakeEngine`, which also serves vLLM's abort path: every
+the server is :class:`tests.fakes.engine.FakeEngine`, which also serves vLLM's abort path: every
 test checks that nothing but the proxied request (and ``/health`` from :func:`settle`) reached
 it. Helpers and the ``stalls`` fixture (time this process did not run is excused) come from
 ``tests/test_cancel.py``.
@@ -24,8 +24,9 @@ from sidecar.config import load_config, parse_config
 from sidecar.errors import ConfigError
 from sidecar.server import Servers
 from tests.conftest import sidecar_settings
-from tests.fake_engine import FakeEngine
-from tests.support import (
+from tests.fakes.engine import FakeEngine
+from tests.fakes.upstreams import refused_port
+from tests.harness.support import (
     CHAT,
     WAIT_S,
     Stalls,
@@ -39,7 +40,6 @@ from tests.support import (
     upstream_closed,
 )
 from tests.test_logs import AccessLines, access_lines_handler  # noqa: F401 - fixture
-from tests.upstreams import refused_port
 
 pytestmark = pytest.mark.timeout(60)
 

@@ -14,6 +14,7 @@ hold is tested on its own. The end to end effect
 from __future__ import annotations
 
 import asyncio
+from functools import partial
 from typing import Any, cast
 
 from sidecar.downstream import DownstreamHandler, TeardownPacer
@@ -34,7 +35,7 @@ class Handler:
 def lose(pacer: TeardownPacer, count: int, done: list[str], tag: str) -> None:
     """``count`` lost connections, each with its shutdown follow-up, as the proxy does them."""
     for i in range(count):
-        pacer.follow_up(lambda i=i: done.append(f"{tag}-end-{i}"))
+        pacer.follow_up(partial(done.append, f"{tag}-end-{i}"))
         pacer.defer(cast(DownstreamHandler, Handler(f"{tag}-teardown-{i}", done)), None)
 
 
@@ -99,7 +100,7 @@ async def test_turns_stay_busy_for_hold_s_after_the_last_loss() -> None:
     await one_turn()
     assert counts(done, 0) == (2, 2), f"expected both lost connections handled, got {done}"
     for i in range(10):  # follow-ups alone: no client left in the turn before
-        pacer.follow_up(lambda i=i: done.append(f"b-end-{i}"))
+        pacer.follow_up(partial(done.append, f"b-end-{i}"))
     before = len(done)
     await one_turn()
     if loop.time() - lost_at < HOLD_S:  # else the loop stalled past the hold: nothing to judge
@@ -108,7 +109,7 @@ async def test_turns_stay_busy_for_hold_s_after_the_last_loss() -> None:
             f"{counts(done, before)}")
     await asyncio.sleep(HOLD_S + 0.005)  # uvloop's timers count milliseconds
     for i in range(10):
-        pacer.follow_up(lambda i=i: done.append(f"c-end-{i}"))
+        pacer.follow_up(partial(done.append, f"c-end-{i}"))
     before = len(done)
     await one_turn()
     assert counts(done, before) == (10, 0), (
@@ -121,7 +122,7 @@ async def test_follow_ups_alone_run_in_the_next_turn() -> None:
     pacer = TeardownPacer()
     done: list[Any] = []
     for i in range(10):
-        pacer.follow_up(lambda i=i: done.append(i))
+        pacer.follow_up(partial(done.append, i))
     await one_turn()
     assert done == list(range(10)), f"expected all 10 follow-ups in the next turn, got {done}"
 

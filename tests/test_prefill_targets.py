@@ -3,10 +3,10 @@ request in ``x-prefiller-host-port``, is aborted too when the client leaves, wit
 prefill leg runs under there, and only if the header's value is allowed.
 
 The deployment is the decode pod of ``config/examples/llm-d.yaml``: client (raw socket) ->
-cancel-sidecar -> the routing sidecar (:class:`tests.routing_sidecar.RoutingSidecar`, a fake
+cancel-sidecar -> the routing sidecar (:class:`tests.fakes.routing_sidecar.RoutingSidecar`, a fake
 written from llm-d's source: it sends the prefill leg to the engine the header names, as
 llm-d's NIXL v2 or SGLang connector does, and the decode leg to the local decoder) -> a prefill
-engine and a decode engine of one kind (:mod:`tests.kind_engines`: they go on with a request
+engine and a decode engine of one kind (:mod:`tests.fakes.kinds`: they go on with a request
 whose connection closed until it is aborted by the right ids). The sidecar proxies to the
 routing sidecar (kind ``openai``), aborts the decoder (``routes[].abort``) and, per request, the
 engine the header names, with the kind and abort settings of the template engine ``prefill``
@@ -52,10 +52,10 @@ from sidecar.config import Settings, load_config, parse_config
 from sidecar.errors import ConfigError
 from sidecar.server import Servers
 from sidecar.targets import MAX_TARGETS, HeaderTargets, parse_value
-from tests.cli_process import cli_process
-from tests.kind_engines import KindEngine, SGLangEngine, VLLMEngine
-from tests.routing_sidecar import PREFILL_HEADER, RoutingSidecar
-from tests.support import (
+from tests.fakes.kinds import KindEngine, SGLangEngine, VLLMEngine
+from tests.fakes.routing_sidecar import PREFILL_HEADER, RoutingSidecar
+from tests.harness.cli_process import cli_process
+from tests.harness.support import (
     API_KEY,
     COMPLETIONS,
     FOREVER,

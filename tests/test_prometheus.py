@@ -11,9 +11,9 @@ abort endpoint unavailable: served close-only). A script of
 completed streams, disconnects, failed and unconfirmed aborts, an unabortable request (vLLM beam
 search), engine resets mid-stream and refused bodies runs in two phases: the
 first creates every series and waits for Prometheus to scrape it, so the rates and quantiles of
-the second have a baseline. Prometheus (``tests.prometheus_server``, scrape and rule interval
-1 s) also loads ``config/monitoring/alerts.yaml``; every rule must evaluate, and the alerts the
-script provokes must be pending or firing. Every panel query of
+the second have a baseline. Prometheus (``tests.harness.prometheus_server``, scrape and rule
+interval 1 s) also loads ``config/monitoring/alerts.yaml``; every rule must evaluate, and the alerts
+the script provokes must be pending or firing. Every panel query of
 ``config/monitoring/dashboard.json`` must return data.
 
 Abort calls are asserted only as present (a lead change re-sends aborts: their number per early
@@ -25,15 +25,17 @@ from __future__ import annotations
 import asyncio
 import json
 import math
+from functools import partial
+from operator import le
 from pathlib import Path
 from typing import Any
 
 import aiohttp
 import pytest
 
-from tests.cli_process import cli_process
-from tests.fake_engine import FakeEngine
-from tests.prometheus_server import PROMETHEUS, Prometheus, prometheus_server
+from tests.fakes.engine import FakeEngine
+from tests.harness.cli_process import cli_process
+from tests.harness.prometheus_server import PROMETHEUS, Prometheus, prometheus_server
 
 ROOT = Path(__file__).resolve().parent.parent
 MONITORING = ROOT / "config" / "monitoring"
@@ -179,7 +181,7 @@ async def _seen(prom: Prometheus, phase: dict[str, int]) -> None:
         ('sum(cancel_sidecar_abort_confirm_seconds_count{engine="good"})', phase["good"]),
         ('sum(cancel_sidecar_abort_latency_seconds_count{engine="blind"})', phase["blind"]),
     ]:
-        await prom.until(expr, lambda v, want=want: v >= want, SCRAPED_S)
+        await prom.until(expr, partial(le, want), SCRAPED_S)  # want <= value
 
 
 def dashboard_queries() -> list[tuple[str, str]]:

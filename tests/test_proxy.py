@@ -2,8 +2,8 @@
 
 Every test runs the sidecar as production does (:func:`sidecar.server.start`, or the CLI as a
 subprocess) against real servers on 127.0.0.1: the fake engine, or a raw upstream from
-:mod:`tests.upstreams` where the fake engine cannot misbehave enough. Clients are raw sockets
-(:mod:`tests.rawhttp`) wherever the wire matters, aiohttp or curl elsewhere. Upstream faults
+:mod:`tests.fakes.upstreams` where the fake engine cannot misbehave enough. Clients are raw sockets
+(:mod:`tests.harness.rawhttp`) wherever the wire matters, aiohttp or curl elsewhere. Upstream faults
 (refused, timeouts, malformed, death mid-stream, stale keep-alive, pooling after a cut-short
 response) are in :mod:`tests.faults.test_upstream_faults`, which shares the helpers here.
 """
@@ -29,10 +29,10 @@ import pytest
 import yaml
 
 from sidecar.server import ReadyLine, Servers
-from tests import rawhttp
 from tests.conftest import sidecar_settings
-from tests.fake_engine import FakeEngine, gzip_body
-from tests.upstreams import RawRequest, RawUpstream
+from tests.fakes.engine import FakeEngine, gzip_body
+from tests.fakes.upstreams import RawRequest, RawUpstream
+from tests.harness import rawhttp
 
 GUARD_S = 5.0  # bound on any single wait that should take milliseconds
 CLI_GUARD_S = 15.0  # bound on a CLI subprocess starting (imports) or exiting

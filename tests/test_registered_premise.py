@@ -13,7 +13,7 @@ serving.py``) yields ``response.created`` and ``response.in_progress`` before it
 before the id is registered; on an API server busy enough to register late, a client that leaves
 on them gets one abort vLLM ignores, and the request runs for nobody.
 
-The engine here is :class:`tests.responses_engine.ResponsesEngine` with that order: the head
+The engine here is :class:`tests.fakes.responses.ResponsesEngine` with that order: the head
 and both events at once, the id registered ``register_delay`` later, then the tokens.
 """
 
@@ -30,9 +30,9 @@ import pytest_asyncio
 from aiohttp import web
 
 from tests.conftest import sidecar_settings
-from tests.kind_engines import _wait
-from tests.responses_engine import ResponsesEngine, pydantic_bool
-from tests.support import API_KEY, Stalls, raw_client
+from tests.fakes.kinds import _wait
+from tests.fakes.responses import ResponsesEngine, pydantic_bool
+from tests.harness.support import API_KEY, Stalls, raw_client
 
 pytestmark = pytest.mark.timeout(60)
 

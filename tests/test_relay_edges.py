@@ -3,7 +3,8 @@ aiohttp's client used to handle for the proxy's upstream side.
 
 Every test runs the sidecar through the production wiring (``start_sidecar``) against a real
 scripted engine on 127.0.0.1 (:class:`ScriptedEngine`: per request, an async ``script`` writes
-whatever bytes, with pauses, resets or closes), and a raw-socket client (:mod:`tests.rawhttp`).
+whatever bytes, with pauses, resets or closes), and a raw-socket client
+(:mod:`tests.harness.rawhttp`).
 """
 
 from __future__ import annotations
@@ -22,10 +23,10 @@ import pytest
 from sidecar.app import reload
 from sidecar.server import Servers
 from sidecar.upstream import STALE_LOSS_S
-from tests import rawhttp
 from tests.conftest import sidecar_settings
-from tests.fake_engine import ABORT_PATH
-from tests.upstreams import RawServer, read_request_body
+from tests.fakes.engine import ABORT_PATH
+from tests.fakes.upstreams import RawServer, read_request_body
+from tests.harness import rawhttp
 
 pytestmark = pytest.mark.timeout(60)
 

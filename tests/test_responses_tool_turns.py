@@ -13,8 +13,8 @@ turn under one rid, the body's ``request_id``, which the sidecar sets to ``resp_
 named again by re-sends for the window from the disconnect, catches the turn registered after
 the tool.
 
-The engine is :class:`tests.responses_engine.ResponsesEngine` (its ``tool_turns`` model, written
-from vLLM's source) or :class:`~tests.responses_engine.SGLangResponsesEngine`; the sidecar runs
+The engine is :class:`tests.fakes.responses.ResponsesEngine` (its ``tool_turns`` model, written
+from vLLM's source) or :class:`~tests.fakes.responses.SGLangResponsesEngine`; the sidecar runs
 through :func:`sidecar.server.start`; the client is a raw
 socket that resets or closes at three instants: during the first turn, during a later turn, and
 while a tool runs (turn 0 done, turn 1 not registered yet). The window (0.5 s) is shorter than
@@ -36,8 +36,8 @@ from engine.vllm import BUILTIN_TOOL_TURNS, VLLMAdapter
 from sidecar.config import EngineKind, EngineSettings
 from sidecar.server import Servers
 from tests.conftest import sidecar_settings
-from tests.responses_engine import ResponsesEngine, SGLangResponsesEngine, ToolTurns
-from tests.support import WAIT_S, Stalls, raw_client
+from tests.fakes.responses import ResponsesEngine, SGLangResponsesEngine, ToolTurns
+from tests.harness.support import WAIT_S, Stalls, raw_client
 
 pytestmark = pytest.mark.timeout(60)
 

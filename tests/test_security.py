@@ -14,9 +14,9 @@ import pytest
 from sidecar.config import Settings
 from sidecar.server import Servers
 from tests.conftest import sidecar_settings
-from tests.fake_engine import FakeEngine
-from tests.support import metrics
-from tests.upstreams import RawUpstream
+from tests.fakes.engine import FakeEngine
+from tests.fakes.upstreams import RawUpstream
+from tests.harness.support import metrics
 
 
 async def _head_and_body(port: int, request: bytes) -> tuple[bytes, bytes]:
@@ -198,7 +198,7 @@ async def test_requests_refused_by_the_proxy_have_one_access_line_and_are_counte
     lines = [r.__dict__["access"] for r in caplog.records if r.name == "sidecar.access"]
     assert [line["status"] for line in lines] == [403, 400, 417], lines
     assert [line["route"] for line in lines] == ["/", "/", None], lines
-    samples = await metrics(sidecar.admin_port)
+    samples = await metrics(sidecar.admin_port or 0)
     counted = {(dict(labels)["route"], dict(labels)["status_class"]): value
                for (name, labels), value in samples.items()
                if name == "cancel_sidecar_requests_total" and value}

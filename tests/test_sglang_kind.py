@@ -1,5 +1,5 @@
 """The ``sglang`` engine kind: the adapter's pure logic (exact ids, property tests) and the
-production wiring against the fake SGLang server of ``tests/kind_engines.py`` (real aiohttp on
+production wiring against the fake SGLang server of ``tests/fakes/kinds.py`` (real aiohttp on
 127.0.0.1) that reads ``rid`` from the body, aborts by prefix and answers 200 to any abort.
 """
 
@@ -22,7 +22,7 @@ from engine.sglang import BUILTIN_TOOL_TYPES, SGLangAdapter
 from sidecar.config import EngineSettings, Settings, parse_config
 from sidecar.server import Servers
 from tests.conftest import sidecar_settings
-from tests.kind_engines import SGLangEngine
+from tests.fakes.kinds import SGLangEngine
 
 SID = "0123456789abcdef0123456789abcdef"
 ROUTES = ("/generate", "/v1/completions", "/v1/chat/completions")

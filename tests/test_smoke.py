@@ -7,7 +7,7 @@ import time
 import aiohttp
 
 from sidecar.server import Servers
-from tests.fake_engine import FakeEngine
+from tests.fakes.engine import FakeEngine
 
 
 async def test_stream_passes_through(engine: FakeEngine, sidecar: Servers) -> None:

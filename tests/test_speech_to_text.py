@@ -7,7 +7,7 @@ once (vLLM 0.32 ``entrypoints/speech_to_text/base/serving.py``). The sidecar can
 chunks without decoding the audio, so it names the base id, the language detection run and the
 first 64 chunks (``engine/vllm.py`` ``AUDIO_CHUNKS``); vLLM ignores the ids it does not have.
 
-The engine is :class:`tests.kind_engines.VLLMEngine` (the fake keeps generating for a closed
+The engine is :class:`tests.fakes.kinds.VLLMEngine` (the fake keeps generating for a closed
 request until every id is aborted); the sidecar runs through :func:`sidecar.server.start`; the
 client is a raw socket that resets or closes mid-answer. Checked at the engine: every chunk is
 aborted and none runs to its end after the client left.
@@ -25,8 +25,8 @@ from engine.vllm import AUDIO_CHUNKS, VLLMAdapter
 from sidecar.config import EngineKind, EngineSettings
 from sidecar.server import Servers
 from tests.conftest import sidecar_settings
-from tests.kind_engines import VLLMEngine
-from tests.support import WAIT_S, Stalls, raw_client
+from tests.fakes.kinds import VLLMEngine
+from tests.harness.support import WAIT_S, Stalls, raw_client
 
 pytestmark = pytest.mark.timeout(60)
 

@@ -2,8 +2,8 @@
 does (:mod:`sidecar.readiness`), logs one line per engine saying it is ready or exactly what to
 fix, re-checks in the background until every engine is ready, and logs only changes.
 
-Production wiring: the real ``python -m sidecar`` (:mod:`tests.cli_process`) against the fake
-engine on 127.0.0.1; ``/readyz`` is asked on the CLI's admin port and must carry the same hint.
+Production wiring: the real ``python -m sidecar`` (:mod:`tests.harness.cli_process`) against the
+fake engine on 127.0.0.1; ``/readyz`` is asked on the CLI's admin port and must carry the same hint.
 """
 
 from __future__ import annotations
@@ -17,10 +17,10 @@ import aiohttp
 import pytest
 
 from sidecar.app import ABORT_DRAIN_S
-from tests.cli_process import CliProcess, cli_process, config_tree
-from tests.fake_engine import FakeEngine
-from tests.support import metrics, sample
-from tests.upstreams import refused_port
+from tests.fakes.engine import FakeEngine
+from tests.fakes.upstreams import refused_port
+from tests.harness.cli_process import CliProcess, cli_process, config_tree
+from tests.harness.support import metrics, sample
 
 pytestmark = pytest.mark.timeout(90)
 

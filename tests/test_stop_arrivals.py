@@ -16,8 +16,8 @@ import socket
 import pytest
 
 from sidecar.server import Servers
-from tests import rawhttp
-from tests.fake_engine import FakeEngine
+from tests.fakes.engine import FakeEngine
+from tests.harness import rawhttp
 
 pytestmark = pytest.mark.timeout(30)
 

@@ -37,8 +37,8 @@ import yaml
 from sidecar.abort_wire import WARM
 from sidecar.config import parse_config
 from sidecar.server import Servers
-from tests.kind_engines import OpenAIEngine, VLLMEngine, Work, stream_bytes
-from tests.support import WAIT_S, RawClient, Stalls, metrics, sample, samples
+from tests.fakes.kinds import OpenAIEngine, VLLMEngine, Work, stream_bytes
+from tests.harness.support import WAIT_S, RawClient, Stalls, metrics, sample, samples
 
 pytestmark = pytest.mark.timeout(120)
 

@@ -30,7 +30,7 @@ from aiohttp import web
 
 from sidecar.server import Servers
 from tests.conftest import sidecar_settings
-from tests.support import GUARD_S, RawClient, Stalls, metrics, request_body, sample, samples
+from tests.harness.support import GUARD_S, RawClient, Stalls, metrics, request_body, sample, samples
 
 pytestmark = pytest.mark.timeout(60)
 

@@ -12,7 +12,7 @@ it and setting that variable. These tests:
 - make their own CA and a certificate for 127.0.0.1 (the ``cryptography`` package, in the
   dev extra);
 - point ``SSL_CERT_FILE`` at the CA;
-- serve :class:`tests.fake_engine.FakeEngine` over TLS.
+- serve :class:`tests.fakes.engine.FakeEngine` over TLS.
 
 What they check:
 
@@ -44,8 +44,8 @@ from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
 
 from sidecar.server import Servers
 from tests.conftest import sidecar_settings
-from tests.fake_engine import FakeEngine
-from tests.support import CHAT, Stalls, one_abort, raw_client, request_body, upstream_closed
+from tests.fakes.engine import FakeEngine
+from tests.harness.support import CHAT, Stalls, one_abort, raw_client, request_body, upstream_closed
 
 pytestmark = pytest.mark.timeout(60)
 

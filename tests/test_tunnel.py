@@ -2,7 +2,7 @@
 
 Real clients (aiohttp's WebSocket client, raw sockets for exact closes and resets) through the
 sidecar started as production starts it (``start_sidecar`` = ``sidecar.server.start``) to real
-servers (``tests/ws_engines.py``: aiohttp's ``WebSocketResponse``, a raw asyncio server that
+servers (``tests/fakes/ws.py``: aiohttp's ``WebSocketResponse``, a raw asyncio server that
 records how its connection ended, and a fake of vLLM's ``/v1/realtime`` on uvicorn + starlette).
 Latencies are printed with ``-s``.
 """
@@ -33,9 +33,9 @@ from sidecar import server
 from sidecar.config import load_config
 from sidecar.headers import upgrade_request_headers
 from tests.conftest import sidecar_settings
-from tests.fake_engine import FakeEngine
-from tests.support import WAIT_S, Stalls, metrics, ms, sample
-from tests.ws_engines import RawEngine, RealtimeEngine, WsEngine, accept_key
+from tests.fakes.engine import FakeEngine
+from tests.fakes.ws import RawEngine, RealtimeEngine, WsEngine, accept_key
+from tests.harness.support import WAIT_S, Stalls, metrics, ms, sample
 
 REPO = Path(__file__).resolve().parent.parent
 KEY = base64.b64encode(b"0123456789abcdef").decode()
@@ -208,7 +208,7 @@ async def test_messages_pass_byte_identical_both_ways(
     assert headers["Sec-WebSocket-Key"] and len(headers["X-Request-Id"]) == 32, (
         f"expected the client's key and the sidecar's X-Request-Id upstream, got {headers}")
     assert headers["Host"] == f"127.0.0.1:{ws_engine.port}", headers
-    await wait_count(servers.admin_port, OPEN, 0, route="/")
+    await wait_count(servers.admin_port or 0, OPEN, 0, route="/")
 
 
 async def test_101_head_is_relayed_byte_for_byte(
@@ -244,7 +244,7 @@ async def test_compressed_session_negotiated_end_to_end(
         assert got.data == message, "expected the compressed message echoed unchanged"
     extensions = ws_engine.sessions[0].headers.get("Sec-WebSocket-Extensions", "")
     assert "permessage-deflate" in extensions, f"expected the offer upstream, got {extensions!r}"
-    values = await metrics(servers.admin_port)
+    values = await metrics(servers.admin_port or 0)
     to_engine = sample(values, BYTES, route="/", direction="client_to_engine")
     assert 0 < to_engine < len(message) / 20, (
         f"expected compressed frames through the tunnel (< {len(message) // 20} bytes), got "
@@ -283,8 +283,8 @@ async def test_websocket_close_by_either_side(
     # The server's close_code is the code the client sent: its own (4001), or its reply (1000).
     expected = 4001 if who == "client" else 1000
     assert seen.close_code == expected, f"expected close code {expected}, got {seen.close_code}"
-    await wait_count(servers.admin_port, OPEN, 0, route="/")
-    values = await metrics(servers.admin_port)
+    await wait_count(servers.admin_port or 0, OPEN, 0, route="/")
+    values = await metrics(servers.admin_port or 0)
     ended = {k: v for (n, k), v in values.items() if n == TUNNELS and v}
     assert sum(ended.values()) == 1, f"expected one tunnel counted as ended, got {ended}"
 
@@ -320,8 +320,8 @@ async def test_close_or_reset_passes_to_the_other_side(
         tunnel.close()
     print(f"\n{side} {how} -> other side {got} in {ms(took)}")
     assert got == how, f"expected the {side}'s {how} passed on as a {how}, got {got}"
-    await wait_count(servers.admin_port, TUNNELS, 1, route="/", closed_by=side, reason=how)
-    await wait_count(servers.admin_port, OPEN, 0, route="/")
+    await wait_count(servers.admin_port or 0, TUNNELS, 1, route="/", closed_by=side, reason=how)
+    await wait_count(servers.admin_port or 0, OPEN, 0, route="/")
     assert not raw_engine.connections[0].transport or raw_engine.connections[0].lost.is_set()
 
 
@@ -362,14 +362,16 @@ async def test_close_propagation_latency_over_many_sessions(
             took.sort()
             report.append(f"{side} {how}: median {ms(took[12])}, max {ms(took[-1])}")
     print("\nclose propagation, 25 sessions each: " + "; ".join(report))
-    await wait_count(servers.admin_port, OPEN, 0, route="/")
+    await wait_count(servers.admin_port or 0, OPEN, 0, route="/")
     await settle_sidecar(servers)
     after, left = await settled_fds(fds), len(asyncio.all_tasks())
     print(f"fds {fds} -> {after}, tasks {tasks} -> {left}")
     assert after <= fds and left <= tasks, (
         f"expected fds back to {fds} and tasks to {tasks}, got {after} and {left}")
-    assert servers.proxy.server is not None and not servers.proxy.server.connections, (
-        f"expected no downstream connection left, got {len(servers.proxy.server.connections)}")
+    server = servers.proxy.server
+    assert server is not None
+    assert not server.connections, (
+        f"expected no downstream connection left, got {len(server.connections)}")
 
 
 async def test_refused_upgrade_is_relayed_as_any_response(
@@ -390,7 +392,7 @@ async def test_refused_upgrade_is_relayed_as_any_response(
             await session.ws_connect(f"http://127.0.0.1:{servers.proxy_port}/refuse/403")
     assert info.value.status == 403, f"expected the client to see 403, got {info.value.status}"
     assert all(h.get("Upgrade") == "websocket" for h in ws_engine.refusals), ws_engine.refusals
-    values = await metrics(servers.admin_port)
+    values = await metrics(servers.admin_port or 0)
     assert sample(values, "cancel_sidecar_requests_total", route="/", status_class="4xx") == 3
     assert not ws_engine.aborts, f"expected no abort call, got {ws_engine.aborts}"
 
@@ -429,9 +431,9 @@ async def test_client_leaving_during_the_handshake_closes_the_engine(
     assert conn.lost_at is not None
     took = stalls.check("client gone mid-handshake -> engine closed", at, conn.lost_at)
     print(f"\nclient {how} during the handshake -> engine closed in {ms(took)}")
-    await wait_count(servers.admin_port, "cancel_sidecar_requests_total", 1, route="/",
+    await wait_count(servers.admin_port or 0, "cancel_sidecar_requests_total", 1, route="/",
                      status_class="disconnected")
-    values = await metrics(servers.admin_port)
+    values = await metrics(servers.admin_port or 0)
     assert not any(n == "cancel_sidecar_abort_calls_total" and v for (n, _), v in values.items())
     writer.close()
 
@@ -569,7 +571,7 @@ async def test_idle_tunnel_is_closed(raw_engine: RawEngine, start_sidecar: Calla
     conn = raw_engine.connections[0]
     await stalls.wait(conn.lost.wait(), "the engine's connection to be closed")
     assert conn.eof_at is not None, f"expected a FIN at the engine, got {conn.lost_with!r}"
-    await wait_count(servers.admin_port, TUNNELS, 1, route="/", closed_by="sidecar",
+    await wait_count(servers.admin_port or 0, TUNNELS, 1, route="/", closed_by="sidecar",
                      reason="idle_timeout")
     tunnel.close()
 
@@ -588,7 +590,7 @@ async def test_max_bytes_closes_the_tunnel(raw_engine: RawEngine,
     await stalls.wait(conn.lost.wait(), "the engine's connection to be closed")
     assert bytes(conn.received) == b"a" * 600, (
         f"expected only the bytes within the limit at the engine, got {len(conn.received)}")
-    await wait_count(servers.admin_port, TUNNELS, 1, route="/", closed_by="sidecar",
+    await wait_count(servers.admin_port or 0, TUNNELS, 1, route="/", closed_by="sidecar",
                      reason="max_bytes")
     tunnel.close()
 
@@ -604,7 +606,7 @@ async def test_route_deadline_closes_the_tunnel(
     got, at = await tunnel.ended()
     assert got == FIN and at - started >= 0.29, f"expected a close at 0.3 s, got {got} {at}"
     stalls.check("deadline -> client closed", started + 0.3, at)
-    await wait_count(servers.admin_port, TUNNELS, 1, route="/", closed_by="sidecar",
+    await wait_count(servers.admin_port or 0, TUNNELS, 1, route="/", closed_by="sidecar",
                      reason="deadline")
     tunnel.close()
 
@@ -703,18 +705,20 @@ async def test_many_sessions_at_once_leave_nothing_behind(
         started = time.monotonic()
         await asyncio.wait_for(asyncio.gather(*(one(i) for i in range(n))), 60)
         took = time.monotonic() - started
-        values = await metrics(servers.admin_port)
-        await wait_count(servers.admin_port, OPEN, 0, route="/")
+        values = await metrics(servers.admin_port or 0)
+        await wait_count(servers.admin_port or 0, OPEN, 0, route="/")
     ended = sum(v for (name, _), v in values.items() if name == TUNNELS)
     after = await settled_fds(fds)
     left_tasks = len(asyncio.all_tasks())
     print(f"\n{n} sessions at once: {took:.2f} s; fds {fds} -> {after}; tasks {tasks} -> "
           f"{left_tasks}")
-    assert ended >= n - 1 or await tunnels(servers.admin_port) >= 0
+    assert ended >= n - 1 or await tunnels(servers.admin_port or 0) >= 0
     assert after <= fds, f"expected fds back to {fds}, got {after}"
     assert left_tasks <= tasks, f"expected tasks back to {tasks}, got {left_tasks}"
-    assert servers.proxy.server is not None and not servers.proxy.server.connections, (
-        f"expected no downstream connection left, got {len(servers.proxy.server.connections)}")
+    server = servers.proxy.server
+    assert server is not None
+    assert not server.connections, (
+        f"expected no downstream connection left, got {len(server.connections)}")
     assert not ws_engine.aborts, f"expected no abort call, got {len(ws_engine.aborts)}"
 
 
@@ -751,6 +755,7 @@ async def test_realtime_session_and_close(realtime: RealtimeEngine,
             sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
             # aiohttp's client has no public "drop the connection": its transport, reset.
             transport = ws._response.connection.transport  # type: ignore[union-attr]
+            assert transport is not None
             at = time.monotonic()
             transport.abort()
         else:
@@ -767,15 +772,15 @@ async def test_realtime_session_and_close(realtime: RealtimeEngine,
     headers = realtime.record.headers[0]
     assert len(headers.get("x-request-id", "")) == 32, headers
     if how == "reset":
-        await wait_count(servers.admin_port, TUNNELS, 1, route="/", closed_by="client",
+        await wait_count(servers.admin_port or 0, TUNNELS, 1, route="/", closed_by="client",
                          reason=RESET)
     else:  # after the close handshake either end may close the TCP connection first
-        await wait_count(servers.admin_port, OPEN, 0, route="/")
-        values = await metrics(servers.admin_port)
+        await wait_count(servers.admin_port or 0, OPEN, 0, route="/")
+        values = await metrics(servers.admin_port or 0)
         fins = sum(sample(values, TUNNELS, route="/", closed_by=by, reason=FIN)
                    for by in ("client", "engine"))
         assert fins == 1, f"expected one tunnel ended with a FIN, got {fins}"
-    calls = {k: v for (n, k), v in (await metrics(servers.admin_port)).items()
+    calls = {k: v for (n, k), v in (await metrics(servers.admin_port or 0)).items()
              if n == "cancel_sidecar_abort_calls_total" and v}
     assert not calls, f"expected no abort call for a tunnel, got {calls}"
 
@@ -787,6 +792,7 @@ async def test_websockets_client_to_uvicorn_compressed(
     servers = await start(start_sidecar, realtime.url)
     async with connect(f"ws://127.0.0.1:{servers.proxy_port}/v1/realtime", proxy=None,
                        open_timeout=WAIT_S, ping_interval=None) as ws:
+        assert ws.response is not None  # set once the handshake is done
         extensions = ws.response.headers.get("Sec-WebSocket-Extensions", "")
         assert extensions.startswith("permessage-deflate"), (
             f"expected permessage-deflate negotiated end to end, got {extensions!r}")
@@ -796,7 +802,7 @@ async def test_websockets_client_to_uvicorn_compressed(
         error = json.loads(await asyncio.wait_for(ws.recv(), WAIT_S))
         assert error == {"type": "error", "error": "model not found", "code": "model_not_found"}
     await stalls.wait(realtime.record.cleaned.wait(), "the engine's session cleanup")
-    await wait_count(servers.admin_port, OPEN, 0, route="/")
+    await wait_count(servers.admin_port or 0, OPEN, 0, route="/")
 
 
 # -- config and headers --------------------------------------------------------------------------

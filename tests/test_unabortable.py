@@ -4,8 +4,8 @@ closed and no abort call is made for it; a request that completes, an abortable 
 close-only (``openai``) engine are never counted.
 
 Production wiring (``tests/conftest.py``: ``server.start``, uvloop) against the real fakes on
-127.0.0.1: :class:`tests.kind_engines.SGLangEngine` (SGLang's ``rid`` and fresh-rid-per-sample
-behaviour) and ``tests/fake_engine.py`` (vLLM). The counter is read from the admin listener's
+127.0.0.1: :class:`tests.fakes.kinds.SGLangEngine` (SGLang's ``rid`` and fresh-rid-per-sample
+behaviour) and ``tests/fakes/engine.py`` (vLLM). The counter is read from the admin listener's
 ``/metrics`` with prometheus_client's parser.
 """
 
@@ -26,9 +26,9 @@ from engine import Unabortable, build_adapters
 from sidecar.config import EngineSettings, Settings
 from sidecar.server import Servers
 from tests.conftest import sidecar_settings
-from tests.fake_engine import FakeEngine
-from tests.kind_engines import SGLangEngine, VLLMEngine
-from tests.support import no_event
+from tests.fakes.engine import FakeEngine
+from tests.fakes.kinds import SGLangEngine, VLLMEngine
+from tests.harness.support import no_event
 
 pytestmark = pytest.mark.timeout(60)
 

@@ -21,9 +21,9 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from sidecar.workers import MAX_DEATHS
-from tests.cli_process import cli_process, config_tree
-from tests.fake_engine import FakeEngine, _sse
-from tests.rawhttp import dechunk
+from tests.fakes.engine import FakeEngine, _sse
+from tests.harness.cli_process import cli_process, config_tree
+from tests.harness.rawhttp import dechunk
 
 pytestmark = pytest.mark.timeout(60)
 

@@ -10,8 +10,8 @@ the owner. This probe measures that, with no sidecar in between::
     PYTHONPATH=/work/main .venv/bin/python -m tests.e2e.probe_api_servers [-n 2] [--rounds 8]
 
 It builds the slow tiny model (``SLOW_MODEL_KWARGS``), starts vLLM through
-``tests.e2e.vllm_server`` with ``api_server_count=N``, the hide-disconnect middleware,
-:mod:`tests.e2e.api_server_tag` (response header ``x-api-server: ApiServer_i pid=P``: which
+``tests.harness.e2e.vllm_server`` with ``api_server_count=N``, the hide-disconnect middleware,
+:mod:`tests.harness.e2e.api_server_tag` (response header ``x-api-server: ApiServer_i pid=P``: which
 process served a connection) and ``--enable-server-load-tracking`` (so ``GET /load`` counts
 the generating requests of the process that answers it), and prints one JSON line per
 measurement and a summary line. ``--url`` probes a server started elsewhere with the same
@@ -86,10 +86,10 @@ from urllib.parse import urlsplit
 
 import httpx
 
-from tests.e2e.api_server_tag import HEADER as TAG_HEADER
-from tests.e2e.vllm_server import parse_metrics
+from tests.harness.e2e.api_server_tag import HEADER as TAG_HEADER
+from tests.harness.e2e.vllm_server import parse_metrics
 
-TAG_MIDDLEWARE = "tests.e2e.api_server_tag.ApiServerTagMiddleware"
+TAG_MIDDLEWARE = "tests.harness.e2e.api_server_tag.ApiServerTagMiddleware"
 ABORT_PATH = "/inference/v1/abort_requests"
 CHAT_PATH = "/v1/chat/completions"
 FRESH = httpx.Limits(max_keepalive_connections=0)  # every request on a new connection
@@ -513,8 +513,8 @@ def main() -> int:
     if a.url:
         asyncio.run(main_async(a.url, a.model, a.api_server_count, a.rounds, a.max_calls))
         return 0
-    from tests.e2e.tiny_model import SLOW_MODEL_KWARGS, build_tiny_model
-    from tests.e2e.vllm_server import HIDE_DISCONNECT_MIDDLEWARE, vllm_server
+    from tests.harness.e2e.tiny_model import SLOW_MODEL_KWARGS, build_tiny_model
+    from tests.harness.e2e.vllm_server import HIDE_DISCONNECT_MIDDLEWARE, vllm_server
 
     model = build_tiny_model(Path(a.model), **SLOW_MODEL_KWARGS)
     with vllm_server(model, max_model_len=8192, api_server_count=a.api_server_count,

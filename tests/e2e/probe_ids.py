@@ -18,13 +18,16 @@ import contextlib
 import json
 import sys
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
+from functools import partial
+from operator import ge
 from pathlib import Path
 from typing import Any
 
 import httpx
 
-from tests.e2e.vllm_server import parse_metrics
+from tests.harness.e2e.vllm_server import parse_metrics
 
 LONG = {"ignore_eos": True}
 NO_KEEPALIVE = httpx.Limits(max_keepalive_connections=0)
@@ -51,8 +54,9 @@ async def metrics(c: httpx.AsyncClient, base: str, headers: dict[str, str]) -> d
     return parse_metrics(r.text)
 
 
-async def wait_running(c, base, hdrs, pred, guard_s=10.0,
-                       interval=0.01) -> tuple[bool, float, dict]:
+async def wait_running(c: httpx.AsyncClient, base: str, hdrs: dict[str, str],
+                       pred: Callable[[float], bool], guard_s: float = 10.0,
+                       interval: float = 0.01) -> tuple[bool, float, dict[str, float]]:
     t0 = time.monotonic()
     while True:
         m = await metrics(c, base, hdrs)
@@ -63,7 +67,8 @@ async def wait_running(c, base, hdrs, pred, guard_s=10.0,
         await asyncio.sleep(interval)
 
 
-async def abort(c, base, ids, hdrs) -> tuple[int, float]:
+async def abort(c: httpx.AsyncClient, base: str, ids: list[str], hdrs: dict[str, str]
+                ) -> tuple[int, float]:
     t0 = time.monotonic()
     r = await c.post(f"{base}/inference/v1/abort_requests", json={"request_ids": ids}, headers=hdrs)
     return r.status_code, time.monotonic() - t0
@@ -81,7 +86,7 @@ async def run_probe(base: str, p: Probe, auth: dict[str, str] | None = None) -> 
         first_evt = asyncio.Event()
         resp_headers: dict[str, str] = {}
 
-        async def do_request():
+        async def do_request() -> None:
             async with httpx.AsyncClient(timeout=timeout) as rc:
                 hdrs = {**auth, **p.headers}
                 if p.stream:
@@ -142,7 +147,8 @@ async def run_probe(base: str, p: Probe, auth: dict[str, str] | None = None) -> 
                     out["ok"] = False
             for ids, expect_after in aborts:
                 st, rtt = await abort(mc, base, ids, auth)
-                ok, lat, m = await wait_running(mc, base, auth, lambda r, e=expect_after: r <= e,
+                # until running <= expect_after
+                ok, lat, m = await wait_running(mc, base, auth, partial(ge, expect_after),
                                                 guard_s=5, interval=0.005)
                 out.setdefault("right", []).append(
                     {"ids": ids, "status": st, "post_rtt_ms": round(rtt * 1000, 1),
@@ -174,14 +180,14 @@ async def run_probe(base: str, p: Probe, auth: dict[str, str] | None = None) -> 
     return out
 
 
-def chat_body(**kw) -> dict[str, Any]:
+def chat_body(**kw: Any) -> dict[str, Any]:
     b = {"model": MODEL, "messages": [{"role": "user", "content": "hello there"}],
          "max_tokens": MAX_TOKENS, "stream": True, **LONG}
     b.update(kw)
     return b
 
 
-def cmpl_body(prompt: Any = "hello world", **kw) -> dict[str, Any]:
+def cmpl_body(prompt: Any = "hello world", **kw: Any) -> dict[str, Any]:
     b = {"model": MODEL, "prompt": prompt, "max_tokens": MAX_TOKENS, "stream": True, **LONG}
     b.update(kw)
     return b
@@ -308,7 +314,7 @@ async def run_duplicate(base: str) -> dict[str, Any]:
     async with httpx.AsyncClient(timeout=60, limits=NO_KEEPALIVE) as mc:
         statuses = []
 
-        async def one():
+        async def one() -> None:
             async with httpx.AsyncClient(timeout=60) as rc:
                 async with rc.stream("POST", base + "/v1/chat/completions", json=chat_body(),
                                      headers={"X-Request-Id": "dup"}) as r:
@@ -343,8 +349,8 @@ def main() -> int:
     MODEL = a.model
     if a.url:
         return asyncio.run(main_async(a.url, a.only))
-    from tests.e2e.tiny_model import SLOW_MODEL_KWARGS, build_tiny_model
-    from tests.e2e.vllm_server import HIDE_DISCONNECT_MIDDLEWARE, vllm_server
+    from tests.harness.e2e.tiny_model import SLOW_MODEL_KWARGS, build_tiny_model
+    from tests.harness.e2e.vllm_server import HIDE_DISCONNECT_MIDDLEWARE, vllm_server
 
     model = build_tiny_model(Path(a.model), **SLOW_MODEL_KWARGS)
     with vllm_server(model, max_model_len=8192, middleware=[HIDE_DISCONNECT_MIDDLEWARE]) as srv:

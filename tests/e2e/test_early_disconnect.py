@@ -53,15 +53,15 @@ from urllib.parse import urlsplit
 import pytest
 
 from sidecar.config import AbortSettings
-from tests.e2e.measure import MetricsSampler, Sample
-from tests.e2e.sidecar_process import SidecarProcess
 from tests.e2e.test_vllm_e2e import (  # model_dir: the same fixture (and model build)
     model_dir,
     running_engine,
     running_sidecar,
     sidecar_counter,
 )
-from tests.e2e.vllm_server import VLLMServer, read_metrics
+from tests.harness.e2e.measure import MetricsSampler, Sample
+from tests.harness.e2e.sidecar_process import SidecarProcess
+from tests.harness.e2e.vllm_server import VLLMServer, read_metrics
 
 __all__ = ["model_dir"]  # a fixture shared with tests/e2e/test_vllm_e2e.py
 

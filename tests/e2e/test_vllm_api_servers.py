@@ -15,8 +15,9 @@ until the response ends with ``"finish_reason":"abort"`` (``confirmed``) or
 
 Setup, per N in :data:`API_SERVER_COUNTS` (module-scoped, one engine at a time): the slow tiny
 model (``SLOW_MODEL_KWARGS``, ~100 tokens/s, so the API processes keep some CPU); vLLM through
-``vllm serve --api-server-count N`` (:mod:`tests.e2e.vllm_serve`; N = 1 too, the same path) with
-``--enable-scale-out``, :class:`~tests.e2e.hide_disconnect.HideDisconnectMiddleware` (vLLM
+``vllm serve --api-server-count N`` (:mod:`tests.harness.e2e.vllm_serve`; N = 1 too, the same
+path) with
+``--enable-scale-out``, :class:`~tests.harness.e2e.hide_disconnect.HideDisconnectMiddleware` (vLLM
 never notices a disconnect: only an abort that reaches the owner stops a request) and
 ``VLLM_SERVER_DEV_MODE=1``, the last only for clean-up between cases (:func:`sweep`: what a
 failed case left running is aborted before the next starts); the sidecar's CLI in front with its
@@ -64,12 +65,12 @@ from typing import Any
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from tests.e2e.measure import RawClient
-from tests.e2e.sidecar_process import SidecarProcess
 from tests.e2e.test_early_disconnect import send_and_reset
 from tests.e2e.test_vllm_e2e import CACHE, running_sidecar
-from tests.e2e.tiny_model import SLOW_MODEL_KWARGS, build_tiny_model
-from tests.e2e.vllm_server import (
+from tests.harness.e2e.measure import RawClient
+from tests.harness.e2e.sidecar_process import SidecarProcess
+from tests.harness.e2e.tiny_model import SLOW_MODEL_KWARGS, build_tiny_model
+from tests.harness.e2e.vllm_server import (
     HIDE_DISCONNECT_MIDDLEWARE,
     VLLMServer,
     read_metrics,
@@ -101,7 +102,7 @@ GUARD_S = 5.0         # from the last reset: nothing running or waiting at vLLM 
 QUIET_S = 1.0         # ... and no token counted for this long after that
 ACCESS_GUARD_S = 10.0  # the access line waits for the verdict: <= confirm_timeout_s (2 s) + window
 POLL_S = 0.05
-ENGINE = "local"      # the engine's name in tests.e2e.sidecar_process.write_config
+ENGINE = "local"      # the engine's name in tests.harness.e2e.sidecar_process.write_config
 
 _WORDS = ("the a engine request client server proxy abort cancel stream token model tiny llama "
           "sidecar chat completion prompt reply user assistant hello world quick brown fox jumps "

@@ -10,7 +10,7 @@ truncated answer.
 Setup, once per module: the tiny model of ``test_vllm_e2e.py``; one vLLM with
 ``VLLM_ENABLE_RESPONSES_API_STORE=1`` (the response store: background mode needs it),
 ``--enable-scale-out`` (the abort endpoint), ``HideDisconnectMiddleware`` (vLLM never sees a
-disconnect), ``HoldHeadMiddleware`` (``tests/e2e/hold_head.py``: a request can ask for its
+disconnect), ``HoldHeadMiddleware`` (``tests/harness/e2e/hold_head.py``: a request can ask for its
 response head to be held) and ``--enforce-eager`` (no torch.compile build at start); the
 sidecar's CLI in front.
 
@@ -45,15 +45,15 @@ from urllib.parse import urlsplit
 import aiohttp
 import pytest
 
-from tests.e2e.measure import MetricsSampler, RawClient, Sample
-from tests.e2e.sidecar_process import SidecarProcess
 from tests.e2e.test_vllm_e2e import (  # model_dir and sampler: the same fixtures; skips
     model_dir,  # the module without vLLM
     running_sidecar,
     sampler,
     sidecar_counter,
 )
-from tests.e2e.vllm_server import (
+from tests.harness.e2e.measure import MetricsSampler, RawClient, Sample
+from tests.harness.e2e.sidecar_process import SidecarProcess
+from tests.harness.e2e.vllm_server import (
     HIDE_DISCONNECT_MIDDLEWARE,
     VLLMServer,
     read_metrics,
@@ -68,7 +68,7 @@ pytestmark = [pytest.mark.e2e, pytest.mark.timeout(600)]
 
 HERE = Path(__file__).resolve().parent
 RESULTS_PATH = HERE / ".last_background_results.json"
-HOLD_HEAD_MIDDLEWARE = "tests.e2e.hold_head.HoldHeadMiddleware"
+HOLD_HEAD_MIDDLEWARE = "tests.harness.e2e.hold_head.HoldHeadMiddleware"
 OUTPUT_TOKENS = 400     # ~2 s at ~250 tokens/s idle, ~10x that on a loaded 2-core machine;
                         # the issue measured 1 of 3000 kept after an abort
 FINISH_GUARD_S = 300.0  # the whole generation on a loaded 2-core machine, with margin

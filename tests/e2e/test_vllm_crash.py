@@ -1,14 +1,14 @@
 """A killed sidecar on a real vLLM: its restart aborts what the dead process left running.
 
 vLLM 0.32 (CPU build, the tiny slow model) is started as ``vllm serve --api-server-count 2``
-with the disconnect-hiding middleware (``tests/e2e/vllm_server.py``): a request whose connection
-closes runs on to ``max_tokens`` (~40 s here) unless it is aborted by id. The sidecar's CLI
-carries streaming chats, JSON chats and a 4-prompt streaming completion; it is killed with
-SIGKILL (the OOM killer), which closes every upstream connection and aborts nothing. The test
-first checks the premise at vLLM's ``/metrics``: the work still runs after the kill. Then the
-same config is started again (the same ``lifecycle.record_dir``: :mod:`sidecar.inflight`) and
-``/metrics`` must show nothing running or waiting ``QUIET_AFTER_S`` after it listens, and no
-token counted after that. Printed: when vLLM went idle, counted from the restart's listening.
+with the disconnect-hiding middleware (``tests/harness/e2e/vllm_server.py``): a request whose
+connection closes runs on to ``max_tokens`` (~40 s here) unless it is aborted by id. The sidecar's
+CLI carries streaming chats, JSON chats and a 4-prompt streaming completion; it is killed with
+SIGKILL (the OOM killer), which closes every upstream connection and aborts nothing. The test first
+checks the premise at vLLM's ``/metrics``: the work still runs after the kill. Then the same config
+is started again (the same ``lifecycle.record_dir``: :mod:`sidecar.inflight`) and ``/metrics`` must
+show nothing running or waiting ``QUIET_AFTER_S`` after it listens, and no token counted after that.
+Printed: when vLLM went idle, counted from the restart's listening.
 """
 
 from __future__ import annotations
@@ -20,8 +20,6 @@ from pathlib import Path
 
 import pytest
 
-from tests.e2e.measure import RawClient
-from tests.e2e.sidecar_process import SidecarProcess, start_sidecar
 from tests.e2e.test_vllm_api_servers import (
     MAX_MODEL_LEN,
     STARTUP_S,
@@ -31,8 +29,10 @@ from tests.e2e.test_vllm_api_servers import (
     sweep,
 )
 from tests.e2e.test_vllm_e2e import CACHE
-from tests.e2e.tiny_model import SLOW_MODEL_KWARGS, build_tiny_model
-from tests.e2e.vllm_server import (
+from tests.harness.e2e.measure import RawClient
+from tests.harness.e2e.sidecar_process import SidecarProcess, start_sidecar
+from tests.harness.e2e.tiny_model import SLOW_MODEL_KWARGS, build_tiny_model
+from tests.harness.e2e.vllm_server import (
     HIDE_DISCONNECT_MIDDLEWARE,
     VLLMServer,
     read_metrics,

@@ -1,7 +1,7 @@
 """End to end on a real vLLM engine: the sidecar (its CLI, as a subprocess) stops generation when
 the client leaves, and changes nothing when it stays.
 
-Setup, once per module: a small random Llama (``tests/e2e/tiny_model.py``, preset
+Setup, once per module: a small random Llama (``tests/harness/e2e/tiny_model.py``, preset
 ``E2E_MODEL_KWARGS``) built under ``tests/e2e/.cache``; one vLLM server with
 ``--enable-scale-out`` (the abort endpoint) and ``HideDisconnectMiddleware`` (vLLM itself never
 sees a disconnect, as behind a body-buffering ASGI layer); one ``python -m sidecar`` in front.
@@ -54,17 +54,17 @@ import aiohttp
 import openai
 from prometheus_client.parser import text_string_to_metric_families
 
-from tests import rawhttp
-from tests.e2e.measure import MetricsSampler, RawClient, StopReport
-from tests.e2e.sidecar_process import SidecarProcess, start_sidecar
-from tests.e2e.tiny_model import E2E_MODEL_KWARGS, build_tiny_model
-from tests.e2e.vllm_server import (
+from tests.fakes.upstreams import RawServer
+from tests.harness import rawhttp
+from tests.harness.e2e.measure import MetricsSampler, RawClient, StopReport
+from tests.harness.e2e.sidecar_process import SidecarProcess, start_sidecar
+from tests.harness.e2e.tiny_model import E2E_MODEL_KWARGS, build_tiny_model
+from tests.harness.e2e.vllm_server import (
     HIDE_DISCONNECT_MIDDLEWARE,
     VLLMServer,
     read_metrics,
     start_vllm_server,
 )
-from tests.upstreams import RawServer
 
 # A failed e2e test is run again, at most twice, and the failure stays in the report ("R"):
 # on this 2-core machine vLLM's API process or the test process stalls for ~2 s now and then
@@ -404,7 +404,7 @@ async def test_through_sidecar_every_generating_route_is_aborted(
 # --- (c) requests that stay: byte-identical -----------------------------------------------------
 
 SHORT = {"max_tokens": 24, "temperature": 0, "seed": 7, "ignore_eos": True}
-SAME_CASES = {
+SAME_CASES: dict[str, tuple[str, dict[str, Any], str]] = {
     "chat": ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi there"}]},
              "chatcmpl-"),
     "completion": ("/v1/completions", {"prompt": "the lazy dog"}, "cmpl-"),

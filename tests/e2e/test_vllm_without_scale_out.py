@@ -26,8 +26,6 @@ from pathlib import Path
 
 import pytest
 
-from tests.e2e.measure import MetricsSampler
-from tests.e2e.sidecar_process import SidecarProcess
 from tests.e2e.test_vllm_e2e import (  # model_dir and sampler: the same fixtures
     DIRECT_WATCH_S,
     STILL_GENERATING_TOKENS,
@@ -38,7 +36,9 @@ from tests.e2e.test_vllm_e2e import (  # model_dir and sampler: the same fixture
     sidecar_counter,
     start_generating,
 )
-from tests.e2e.vllm_server import VLLMServer
+from tests.harness.e2e.measure import MetricsSampler
+from tests.harness.e2e.sidecar_process import SidecarProcess
+from tests.harness.e2e.vllm_server import VLLMServer
 
 __all__ = ["model_dir", "sampler"]  # fixtures shared with tests/e2e/test_vllm_e2e.py
 

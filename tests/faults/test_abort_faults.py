@@ -10,7 +10,7 @@ Nothing queues without bound: against a hanging endpoint the per-engine queue fi
 ``MAX_QUEUED_IDS``, the overflow is ``dropped``, and the queued ids go out once each when the
 endpoint recovers; aborts still pending when the sidecar stops end ``cancelled``.
 
-The engine is :mod:`tests.fake_engine` (abort knobs: ``abort_status``, ``abort_script``,
+The engine is :mod:`tests.fakes.engine` (abort knobs: ``abort_status``, ``abort_script``,
 ``abort_key``, ``abort_gate``, ``abort_delay``; a second listening socket closed mid-stream for
 "refused"); clients are raw sockets cut with a TCP reset. Timing as in ``tests/test_cancel.py``:
 event-driven waits, guard bounds with this process's stalls excluded. Run with ``-s`` for the
@@ -44,8 +44,8 @@ from sidecar.abort import (
 from sidecar.app import ABORT_DRAIN_S
 from sidecar.server import Servers
 from tests.conftest import sidecar_settings
-from tests.fake_engine import ABORT_PATH, ABORT_RESET, HANG_ABORT_PATH, FakeEngine
-from tests.support import (
+from tests.fakes.engine import ABORT_PATH, ABORT_RESET, HANG_ABORT_PATH, FakeEngine
+from tests.harness.support import (
     API_KEY,
     CHAT,
     COMPLETIONS,

@@ -27,11 +27,11 @@ from aiohttp import web
 from sidecar.downstream import DownstreamRunner
 from sidecar.logs import ACCESS_LOGGER
 from sidecar.server import Servers
-from tests import rawhttp
-from tests.cli_process import cli_process, config_tree
 from tests.conftest import sidecar_settings
-from tests.fake_engine import FakeEngine
-from tests.upstreams import RawRequest, RawUpstream
+from tests.fakes.engine import FakeEngine
+from tests.fakes.upstreams import RawRequest, RawUpstream
+from tests.harness import rawhttp
+from tests.harness.cli_process import cli_process, config_tree
 
 GUARD_S = 10.0
 CLIENT_SECRET = "client-secret-b7f3"  # a credential a client sent inside a malformed request

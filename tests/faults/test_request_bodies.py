@@ -24,10 +24,10 @@ from typing import Any
 import pytest
 
 from sidecar.server import Servers
-from tests import rawhttp
 from tests.conftest import sidecar_settings
-from tests.fake_engine import FakeEngine, Seen
-from tests.support import disconnect_counts, metrics, no_event, samples, settle
+from tests.fakes.engine import FakeEngine, Seen
+from tests.harness import rawhttp
+from tests.harness.support import disconnect_counts, metrics, no_event, samples, settle
 from tests.test_proxy import assert_openai_error
 
 pytestmark = pytest.mark.timeout(60)
@@ -69,8 +69,8 @@ def engine_requests(engine: FakeEngine) -> list[Seen]:
 
 
 def access_lines(caplog: pytest.LogCaptureFixture) -> list[dict[str, Any]]:
-    return [r.access for r in caplog.records  # type: ignore[attr-defined]
-            if r.name == "sidecar.access" and r.access["path"] != "/health"]
+    lines = [r.__dict__["access"] for r in caplog.records if r.name == "sidecar.access"]
+    return [line for line in lines if line["path"] != "/health"]
 
 
 async def assert_refused_and_counted(servers: Servers, engine: FakeEngine,
@@ -228,7 +228,8 @@ async def test_max_body_bytes_zero_means_no_limit(max_body_bytes: int | None,
                                                   start_sidecar: StartSidecar) -> None:
     """A body announced at 100 GiB: the default limit (64 MiB) refuses it at once; with 0 it
     streams to the engine (the client then leaves mid-body)."""
-    overrides = {} if max_body_bytes is None else {"downstream": {"max_body_bytes": 0}}
+    overrides: dict[str, Any] = (
+        {} if max_body_bytes is None else {"downstream": {"max_body_bytes": 0}})
     servers = await start_sidecar(sidecar_settings(engine.url, **overrides))
     async with asyncio.timeout(GUARD_S), rawhttp.connect(servers.proxy_port) as (reader, writer):
         writer.write(rawhttp.request_bytes("POST", "/sink",

@@ -21,9 +21,9 @@ import yaml
 from sidecar.config import parse_config
 from sidecar.runtime import describe_changes
 from sidecar.server import Servers
-from tests import rawhttp
 from tests.conftest import sidecar_settings
-from tests.fake_engine import FakeEngine
+from tests.fakes.engine import FakeEngine
+from tests.harness import rawhttp
 
 IDLE_S = 0.5
 GUARD_S = 10.0  # generous: the machine is shared

@@ -8,8 +8,9 @@ while the client was stalled, the sidecar's RSS) are printed: run with ``-s``.
 
 Streams have no total timeout: a stream much longer than every configured timeout completes.
 
-The stalled-client test runs the real CLI as a subprocess (:mod:`tests.cli_process`) to read the
-sidecar's own RSS; the fake engine (in this process) floods as fast as the connection takes it.
+The stalled-client test runs the real CLI as a subprocess (:mod:`tests.harness.cli_process`) to
+read the sidecar's own RSS; the fake engine (in this process) floods as fast as the connection takes
+it.
 """
 
 from __future__ import annotations
@@ -26,11 +27,11 @@ import psutil
 import pytest
 
 from sidecar.server import Servers
-from tests import rawhttp
-from tests.cli_process import cli_process, config_tree
 from tests.conftest import sidecar_settings
-from tests.fake_engine import FakeEngine, Flood, flood_sha256
-from tests.support import disconnect_counts, metrics, no_event, settle
+from tests.fakes.engine import FakeEngine, Flood, flood_sha256
+from tests.harness import rawhttp
+from tests.harness.cli_process import cli_process, config_tree
+from tests.harness.support import disconnect_counts, metrics, no_event, settle
 
 pytestmark = pytest.mark.timeout(120)
 

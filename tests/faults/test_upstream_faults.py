@@ -12,8 +12,8 @@ request or closed the connection itself), that a concurrent stream on another en
 byte-identical, and that the upstream connection is closed at the server side (never pooled).
 
 Everything runs through the production wiring (``start_sidecar``/``sidecar`` fixtures) against
-real servers on 127.0.0.1: :class:`tests.fake_engine.FakeEngine`, raw upstreams from
-:mod:`tests.upstreams`, and a real uvicorn server. Waits for something that has no event (a
+real servers on 127.0.0.1: :class:`tests.fakes.engine.FakeEngine`, raw upstreams from
+:mod:`tests.fakes.upstreams`, and a real uvicorn server. Waits for something that has no event (a
 connection closing at the server side) poll with a guard bound and say what they expected.
 """
 
@@ -36,10 +36,11 @@ import pytest
 from aiohttp import web
 
 from sidecar.server import Servers
-from tests import rawhttp
 from tests.conftest import sidecar_settings
-from tests.fake_engine import ABORT_PATH, FakeEngine
-from tests.support import metrics, samples
+from tests.fakes.engine import ABORT_PATH, FakeEngine
+from tests.fakes.upstreams import RawRequest, RawUpstream, refused_port
+from tests.harness import rawhttp
+from tests.harness.support import metrics, samples
 from tests.test_proxy import (
     GUARD_S,
     StartSidecar,
@@ -49,7 +50,6 @@ from tests.test_proxy import (
     raw_upstream,
     sse_events,
 )
-from tests.upstreams import RawRequest, RawUpstream, refused_port
 
 pytestmark = pytest.mark.timeout(60)
 

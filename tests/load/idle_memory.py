@@ -1,11 +1,11 @@
 """Memory per idle open stream: the sidecar's RSS with N streams open and silent, minus before.
 
 ``python -m tests.load.idle_memory [STREAMS]`` (default 1000): the fake engine
-(:mod:`tests.load.engine_process`) and the sidecar (:mod:`tests.load.sidecar_process`) each run in
-a process of their own. After a warm-up of 64 short streams (imports, first allocations), the
-sidecar's RSS is read; then STREAMS chat streams are opened, each gets its response head and one
-event, and the engine stays silent (the next event is an hour away). Printed: the RSS growth per
-open stream. Not a test (pytest does not collect it).
+(:mod:`tests.harness.load.engine_process`) and the sidecar
+(:mod:`tests.harness.load.sidecar_process`) each run in a process of their own. After a warm-up of
+64 short streams (imports, first allocations), the sidecar's RSS is read; then STREAMS chat streams
+are opened, each gets its response head and one event, and the engine stays silent (the next event
+is an hour away). Printed: the RSS growth per open stream. Not a test (pytest does not collect it).
 """
 
 from __future__ import annotations
@@ -18,11 +18,11 @@ from pathlib import Path
 import psutil
 import uvloop
 
-from tests import rawhttp
-from tests.cli_process import config_tree
-from tests.load.common import chat_request
-from tests.load.engine_process import engine_process
-from tests.load.sidecar_process import sidecar_process
+from tests.harness import rawhttp
+from tests.harness.cli_process import config_tree
+from tests.harness.load.common import chat_request
+from tests.harness.load.engine_process import engine_process
+from tests.harness.load.sidecar_process import sidecar_process
 
 CONNECT_AT_ONCE = 64
 SETTLE_S = 1.0

@@ -1,8 +1,8 @@
 """Relay cost per SSE event: the sidecar's CPU time per event relayed, for profiling the hot path.
 
 ``python -m tests.load.relay_cost [STREAMS] [TOKENS] [INTERVAL_S]`` (defaults 256, 200, 0.02):
-the fake engine (:mod:`tests.load.engine_process`) and the sidecar
-(:mod:`tests.load.sidecar_process`) each run in a process of their own; this process opens
+the fake engine (:mod:`tests.harness.load.engine_process`) and the sidecar
+(:mod:`tests.harness.load.sidecar_process`) each run in a process of their own; this process opens
 STREAMS chat streams of TOKENS events, one every INTERVAL_S seconds, through the sidecar and reads
 them to their end, checking each body byte for byte. Printed: the sidecar's CPU seconds (user +
 system, psutil) from the first request to the last stream's end, per event relayed, and its RSS.
@@ -20,11 +20,11 @@ from pathlib import Path
 import psutil
 import uvloop
 
-from tests import rawhttp
-from tests.cli_process import config_tree
-from tests.load.common import chat_request, expected_stream
-from tests.load.engine_process import engine_process
-from tests.load.sidecar_process import sidecar_process
+from tests.harness import rawhttp
+from tests.harness.cli_process import config_tree
+from tests.harness.load.common import chat_request, expected_stream
+from tests.harness.load.engine_process import engine_process
+from tests.harness.load.sidecar_process import sidecar_process
 
 CONNECT_AT_ONCE = 64
 

@@ -1,6 +1,6 @@
 """A soak: many requests, 50 at a time, each cut at a random phase (seeded), through a sidecar in
-its own process (:mod:`tests.load.sidecar_process`, production wiring), in front of the vLLM fake
-of :mod:`tests.kind_engines`, which registers each request's ids a random 0-50 ms after its
+its own process (:mod:`tests.harness.load.sidecar_process`, production wiring), in front of the
+vLLM fake of :mod:`tests.fakes.kinds`, which registers each request's ids a random 0-50 ms after its
 whole body arrived (``register_delay``, seeded): an abort before that is a no-op at the engine,
 and a request whose connection closed generates for nobody until it is aborted by id or reaches
 its last token.
@@ -14,7 +14,7 @@ nothing), ``mid_stream`` (after 1-15 events), ``after_last`` (right after ``data
 orderly close (FIN), also chosen at random. Checked per request, with the engine as the ground
 truth: a request the engine had whole and whose connection closed before its end is stopped
 (every id aborted after its registration) and no id of it runs to its end (``left running``
-must be 0), with between 1 and :func:`tests.support.max_calls` calls naming its id (the
+must be 0), with between 1 and :func:`tests.harness.support.max_calls` calls naming its id (the
 documented re-send schedule of the default ``abort`` settings); a completed one (``complete``,
 ``after_last``) is never named, and one whose body never arrived whole (``body``; maybe
 ``after_body``) has no work at the engine; a client that left while the engine was finishing
@@ -45,12 +45,12 @@ import pytest
 
 from sidecar.abort import MAX_CALLS_PER_ENGINE
 from sidecar.config import AbortSettings
-from tests import rawhttp
-from tests.cli_process import config_tree
-from tests.kind_engines import Head, VLLMEngine, Work, stream_bytes
-from tests.load.common import chat_request, ms, percentile, reset, size_from_env
-from tests.load.sidecar_process import SidecarProcess, sidecar_process
-from tests.support import max_calls, metrics, samples
+from tests.fakes.kinds import Head, VLLMEngine, Work, stream_bytes
+from tests.harness import rawhttp
+from tests.harness.cli_process import config_tree
+from tests.harness.load.common import chat_request, ms, percentile, reset, size_from_env
+from tests.harness.load.sidecar_process import SidecarProcess, sidecar_process
+from tests.harness.support import max_calls, metrics, samples
 
 pytestmark = [pytest.mark.load, pytest.mark.timeout(1800)]
 

@@ -1,16 +1,16 @@
 """A disconnect storm at scale: N streams through a sidecar in its own process, half of them cut
 at once with a TCP reset.
 
-The sidecar runs in a process of its own (:mod:`tests.load.sidecar_process`, production wiring),
-and so does the fake engine (:mod:`tests.load.engine_process`): the N clients run here, and their
-work cannot delay the engine's recording of an abort call (with the engine in this process, the
-POST reached its handler ~80 ms after the sidecar sent it, measured). A client's reset time is
-taken when its socket is actually closed: uvloop's ``transport.abort()`` closes it one loop turn
-later (``loop.call_soon``), so the time is read by a callback queued right behind it. Checked:
-every cut request's engine id is named exactly once over all abort calls, no surviving request
-is named, every surviving stream arrives byte for byte as the engine sent it, and the engine
-sees the upstream connection of every cut stream close. Printed (run with ``-s``): the time from
-each client's reset to the engine receiving the abort call naming its id, median/p99/max.
+The sidecar runs in a process of its own (:mod:`tests.harness.load.sidecar_process`, production
+wiring), and so does the fake engine (:mod:`tests.harness.load.engine_process`): the N clients run
+here, and their work cannot delay the engine's recording of an abort call (with the engine in this
+process, the POST reached its handler ~80 ms after the sidecar sent it, measured). A client's reset
+time is taken when its socket is actually closed: uvloop's ``transport.abort()`` closes it one loop
+turn later (``loop.call_soon``), so the time is read by a callback queued right behind it. Checked:
+every cut request's engine id is named exactly once over all abort calls, no surviving request is
+named, every surviving stream arrives byte for byte as the engine sent it, and the engine sees the
+upstream connection of every cut stream close. Printed (run with ``-s``): the time from each
+client's reset to the engine receiving the abort call naming its id, median/p99/max.
 
 Size: ``CANCEL_SIDECAR_STORM_N`` streams (default 200; the full size is 1000).
 """
@@ -29,9 +29,9 @@ from typing import Any
 import psutil
 import pytest
 
-from tests import rawhttp
-from tests.cli_process import config_tree
-from tests.load.common import (
+from tests.harness import rawhttp
+from tests.harness.cli_process import config_tree
+from tests.harness.load.common import (
     LoopLag,
     chat_request,
     expected_stream,
@@ -40,9 +40,9 @@ from tests.load.common import (
     reset,
     size_from_env,
 )
-from tests.load.engine_process import EngineProcess, engine_process
-from tests.load.sidecar_process import sidecar_process
-from tests.support import metrics, sample
+from tests.harness.load.engine_process import EngineProcess, engine_process
+from tests.harness.load.sidecar_process import sidecar_process
+from tests.harness.support import metrics, sample
 
 pytestmark = [pytest.mark.load, pytest.mark.timeout(300)]
 

@@ -3,7 +3,7 @@
 Written from vLLM's source (``vllm/entrypoints/openai/responses/``: ``protocol.py``
 ``ResponsesRequest``, ``serving.py`` ``_create_responses`` and the background/retrieve/cancel
 methods, ``api_router.py``), never from ``engine/``, so a test can catch an adapter that
-disagrees with vLLM. On top of :class:`tests.kind_engines.VLLMEngine` (its ids, abort endpoint
+disagrees with vLLM. On top of :class:`tests.fakes.kinds.VLLMEngine` (its ids, abort endpoint
 and scheduler model):
 
 - ``POST /v1/responses``: the id is the body's ``request_id`` (``X-Request-Id`` is ignored;
@@ -16,8 +16,8 @@ and scheduler model):
   (:class:`Background`), ``max_output_tokens`` tokens (default 20) ``interval`` seconds apart
   (query, default 0.01), whatever the connection does; its events are kept. A JSON request is
   answered with the ``queued`` response (after ``hold_head`` seconds, query: the task runs
-  meanwhile, as behind ``tests/e2e/hold_head.py``); a streaming one gets the stored events from
-  the first, as ``event: TYPE`` / ``data: JSON`` SSE, until ``response.completed``.
+  meanwhile, as behind ``tests/harness/e2e/hold_head.py``); a streaming one gets the stored
+  events from the first, as ``event: TYPE`` / ``data: JSON`` SSE, until ``response.completed``.
 - the stored response at the end: ``incomplete`` with ``incomplete_details.reason
   max_output_tokens`` once all its tokens are made (``finish_reason`` ``length``), or, if its
   engine id was aborted, ``completed`` with the tokens made so far and no
@@ -44,7 +44,7 @@ Every ``GET``/``cancel`` is recorded in :attr:`ResponsesEngine.reads` / ``cancel
 (``srt/entrypoints/openai/serving_responses.py``, ``_generate_with_builtin_tools``; SGLang
 0.5.23): every turn runs under the same rid, the body's ``request_id``; the tools that start it
 are ``web_search``, ``web_search_preview`` and ``code_interpreter`` (no MCP labels); aborts go to
-SGLang's ``POST /abort_request {"rid"}`` (:class:`tests.kind_engines.SGLangEngine`'s).
+SGLang's ``POST /abort_request {"rid"}`` (:class:`tests.fakes.kinds.SGLangEngine`'s).
 """
 
 from __future__ import annotations
@@ -60,7 +60,7 @@ from typing import Any
 from aiohttp import web
 from pydantic import TypeAdapter, ValidationError
 
-from tests.kind_engines import SGLangEngine, VLLMEngine, Work, _wait
+from tests.fakes.kinds import SGLangEngine, VLLMEngine, Work, _wait
 
 RESPONSES = "/v1/responses"
 TURN_FIELD = "_fake_turn"  # which generation turn a Work is (ToolTurns), never sent by a client

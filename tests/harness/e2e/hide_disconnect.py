@@ -7,7 +7,7 @@ request body and then never forwards later ``receive()`` messages: vLLM never se
 Load it into a real vLLM server with (from the repo root, so ``tests`` is importable)::
 
     PYTHONPATH=/work/main python -m vllm.entrypoints.openai.api_server ... \
-        --middleware tests.e2e.hide_disconnect.HideDisconnectMiddleware
+        --middleware tests.harness.e2e.hide_disconnect.HideDisconnectMiddleware
 
 vLLM's ``--middleware`` does ``importlib.import_module(path.rsplit('.', 1)[0])`` and, for a
 class, ``app.add_middleware(cls)``; the class is then constructed as ``cls(app)``. Being

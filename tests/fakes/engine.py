@@ -282,7 +282,7 @@ class FakeEngine:
         await _until(gen.abort, _float(request, "first_byte_delay", 0.0))
         if not body.get("stream"):
             await _until(gen.abort, tokens * interval)
-            answer = {"id": gen.request_id, "object": "chat.completion",
+            answer: dict[str, Any] = {"id": gen.request_id, "object": "chat.completion",
                       "choices": [{"index": 0, "text": "x" * tokens}]}
             if gen.abort.is_set():
                 answer["choices"][0]["finish_reason"] = "abort"

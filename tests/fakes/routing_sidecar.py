@@ -45,7 +45,7 @@ from aiohttp import web
 from multidict import CIMultiDict
 from yarl import URL
 
-from tests.fake_engine import Watch
+from tests.fakes.engine import Watch
 
 PREFILL_HEADER = "x-prefiller-host-port"  # pkg/common/routing/common.go, PrefillEndpointHeader
 SGLANG_BOOTSTRAP_PORT = 8998  # connector_sglang.go, the default of SGLANG_BOOTSTRAP_PORT

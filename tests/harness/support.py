@@ -28,7 +28,7 @@ import aiohttp
 from multidict import CIMultiDict
 from prometheus_client.parser import text_string_to_metric_families
 
-from tests.fake_engine import FakeEngine
+from tests.fakes.engine import FakeEngine
 
 T = TypeVar("T")
 

@@ -5,7 +5,7 @@ architecture with random F32 weights and a SentencePiece-style vocabulary of the
 tokens plus a few words, so any text tokenizes. Output is gibberish; llama.cpp serves it as a
 real engine. Run with the interpreter that has ``gguf`` and ``numpy``::
 
-    python -m tests.llamacpp_model OUT.gguf
+    python -m tests.harness.llamacpp_model OUT.gguf
 """
 
 from __future__ import annotations

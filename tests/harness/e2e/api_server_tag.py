@@ -3,7 +3,7 @@
 With ``vllm serve --api-server-count N`` each new TCP connection is served by one of N
 processes for its whole life. A client cannot tell which one from anything vLLM sends by
 default, so tests and probes load this middleware (``--middleware
-tests.e2e.api_server_tag.ApiServerTagMiddleware``) and read the response header
+tests.harness.e2e.api_server_tag.ApiServerTagMiddleware``) and read the response header
 ``x-api-server``: the multiprocessing process name and the pid, e.g. ``ApiServer_1 pid=4242``
 (vLLM names its processes ``ApiServer_{i}``, ``vllm/v1/utils.py``: APIServerProcessManager; a
 single-process server is ``MainProcess``).

@@ -6,10 +6,10 @@ model weights are random. Output is gibberish, but vLLM serves it as a real engi
 
 Usage::
 
-    from tests.e2e.tiny_model import build_tiny_model
+    from tests.harness.e2e.tiny_model import build_tiny_model
     model_dir = build_tiny_model(Path("/tmp/tiny-llama"))
 
-or ``HF_HUB_OFFLINE=1 python -m tests.e2e.tiny_model /tmp/tiny-llama``.
+or ``HF_HUB_OFFLINE=1 python -m tests.harness.e2e.tiny_model /tmp/tiny-llama``.
 """
 
 from __future__ import annotations
@@ -138,7 +138,7 @@ def build_tiny_model(
         eos_token_id=hf_tok.eos_token_id,
         pad_token_id=hf_tok.pad_token_id,
         tie_word_embeddings=False,
-        torch_dtype="float32",
+        dtype="float32",  # transformers 5: torch_dtype is only a deprecated alias of it
     )
     model = LlamaForCausalLM(config)
     model.generation_config.bos_token_id = hf_tok.bos_token_id
@@ -151,10 +151,10 @@ def build_tiny_model(
 
 
 def main(argv: list[str] | None = None) -> int:
-    """CLI: ``python -m tests.e2e.tiny_model TARGET_DIR [MAX_POSITION_EMBEDDINGS]``."""
+    """CLI: ``python -m tests.harness.e2e.tiny_model TARGET_DIR [MAX_POSITION_EMBEDDINGS]``."""
     argv = sys.argv[1:] if argv is None else argv
     if len(argv) not in (1, 2):
-        print("usage: python -m tests.e2e.tiny_model TARGET_DIR [MAX_POSITION_EMBEDDINGS]",
+        print("usage: python -m tests.harness.e2e.tiny_model TARGET_DIR [MAX_POSITION_EMBEDDINGS]",
               file=sys.stderr)
         return 2
     mpe = int(argv[1]) if len(argv) == 2 else 1024

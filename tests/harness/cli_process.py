@@ -22,7 +22,7 @@ import yaml
 
 from sidecar.server import ReadyLine
 
-REPO = Path(__file__).resolve().parent.parent
+REPO = Path(__file__).resolve().parents[2]
 READY_S = 30.0  # how long the CLI may take to print its ready line
 EXIT_S = 15.0  # how long a test waits for the CLI to exit after a stop signal
 

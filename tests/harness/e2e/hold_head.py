@@ -9,10 +9,10 @@ with its ``queued`` JSON within milliseconds, before it even adds the request to
 (``_create_responses`` only starts the task), so without such a window a client's leaving there
 cannot be timed against a running generation. Other requests pass untouched.
 
-Load it beside ``HideDisconnectMiddleware`` (``tests/e2e/vllm_server.py``)::
+Load it beside ``HideDisconnectMiddleware`` (``tests/harness/e2e/vllm_server.py``)::
 
-    --middleware tests.e2e.hide_disconnect.HideDisconnectMiddleware \
-    --middleware tests.e2e.hold_head.HoldHeadMiddleware
+    --middleware tests.harness.e2e.hide_disconnect.HideDisconnectMiddleware \
+    --middleware tests.harness.e2e.hold_head.HoldHeadMiddleware
 """
 
 from __future__ import annotations

@@ -29,7 +29,7 @@ from dataclasses import asdict, dataclass
 from typing import Any
 from urllib.parse import urlsplit
 
-from tests.e2e.vllm_server import parse_metrics
+from tests.harness.e2e.vllm_server import parse_metrics
 
 
 @dataclass(frozen=True)

@@ -1,0 +1,1 @@
+"""The real vLLM harness: see :mod:`tests.harness`."""

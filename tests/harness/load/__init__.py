@@ -1,0 +1,1 @@
+"""The load tests' processes: see :mod:`tests.harness`."""
