@@ -20,7 +20,7 @@ The cancel API (:mod:`sidecar.cancel`) finds an exchange by its sidecar id (:dat
 and cancels its handler with :data:`~sidecar.replies.CANCELLED`; a request's deadline
 (``routes[].max_duration_s``, lowered by the client's ``X-Sidecar-Deadline-S``:
 :meth:`sidecar.route.RouteTarget.deadline_s`) is one ``loop.call_at`` timer, cancelled when the
-request ends, that does the same with :data:`~sidecar.replies.DEADLINE`. :func:`handle`
+request ends, that does the same with :data:`~sidecar.replies.DEADLINE`. :func:`serve`
 consumes only that cancellation (``Task.uncancel() == 0``: nothing else, e.g. a disconnect,
 asked too, as ``asyncio.timeout`` does) and :meth:`Exchange.end_cancelled` aborts the engine and
 ends the client's response with an error it can parse (the :class:`~sidecar.replies.Ending`'s
@@ -583,7 +583,7 @@ class Exchange(Ticket):
 
     def request_cancel(self, ending: Ending = CANCELLED) -> bool:
         """The cancel API (or the deadline timer, with :data:`DEADLINE`): cancel the handler;
-        :func:`handle` then calls :meth:`end_cancelled`. ``False`` if the request is already
+        :func:`serve` then calls :meth:`end_cancelled`. ``False`` if the request is already
         ending: another ending was requested, the client is gone (its disconnect is being
         handled: the connection is lost or closing), the handler is done, or the stream has
         already relayed ``data: [DONE]`` (the client has its whole answer and the engine is
@@ -641,7 +641,7 @@ class Exchange(Ticket):
 
 
 # Requests in flight by sidecar request id (the X-Request-Id returned to the client), for the
-# cancel API (sidecar.cancel): added when handle creates the Exchange, removed as it ends. On the
+# cancel API (sidecar.cancel): added when serve creates the Exchange, removed as it ends. On the
 # proxy app; the admin listener of the same process (or a --workers worker's control listener)
 # reads it through cancel.local_canceller.
 EXCHANGES: web.AppKey[dict[str, Exchange]] = web.AppKey("exchanges")
@@ -651,7 +651,7 @@ def _left_first(exc: BaseException) -> ConnectionResetError:
     """The client left before the engine's side failed: the engine ended its side on the abort
     the disconnect queued, while this handler's teardown waited its turn
     (:class:`sidecar.downstream.TeardownPacer`). Raised as a write to the gone client would
-    raise, so :func:`handle` ends it as the disconnect it is, not as an upstream error."""
+    raise, so :func:`serve` ends it as the disconnect it is, not as an upstream error."""
     return ConnectionResetError(f"the client left first; then the engine's side ended: {exc}")
 
 
