@@ -2,15 +2,18 @@
 
 Data flow for one request (modules named after the nouns)::
 
-    client request ──► route (route.py: longest prefix -> engine, and the engines to abort)
+    client request ──► front door (door.py: admitted or refused, then to the proxy or the
+                       tunnel; ticket.py: the sidecar request id, access line and counts)
+                   ──► route (route.py: longest prefix -> engine, and the engines to abort)
                    ──► engine adapter tags ids (engine/: X-Request-Id, or a body field such
                        as SGLang's rid, = a sidecar-minted id)
                    ──► upstream request (upstream.py: sent, re-sent once after a stale
                        connection) and its response (relay.py: pooled connections as asyncio
                        protocols; each body piece goes from the engine's socket to the
                        client's transport in the read callback)
-    client disconnect (aiohttp cancels the handler: proxy.py)
-                   ──► upstream closed + engine abort (abort.py: own task, bounded, counted;
+    client disconnect (aiohttp cancels the handler: proxy.py's Exchange, one request's life)
+                   ──► upstream closed + engine abort (plan.py: which ids at which engines, by
+                       pure functions; abort.py: own task, bounded, counted;
                        one per abort engine of the route, concurrently, and one at the engine
                        a request header names if allowed: targets.py, llm-d's prefill pod)
 

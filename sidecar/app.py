@@ -26,6 +26,7 @@ from sidecar import inflight
 from sidecar.abort import Aborter
 from sidecar.cancel import Canceller, add_cancel_route, local_canceller
 from sidecar.config import Settings
+from sidecar.door import handle, refuse
 from sidecar.inflight import InflightRecord
 from sidecar.keys import (
     ABORTER,
@@ -38,7 +39,7 @@ from sidecar.keys import (
     TASKS,
 )
 from sidecar.metrics import Metrics, ReadinessMetrics
-from sidecar.proxy import EXCHANGES, Exchange, handle, refuse
+from sidecar.proxy import EXCHANGES, Exchange
 from sidecar.readiness import OK, READINESS, Readiness
 from sidecar.replies import error_response
 from sidecar.runtime import Runtime, Runtimes, describe_changes
@@ -70,7 +71,7 @@ async def _engines_ctx(app: web.Application) -> AsyncIterator[None]:
 
 def proxy_handler(app: web.Application) -> Callable[[BaseRequest], Awaitable[web.StreamResponse]]:
     """What serves every request on the proxy listener
-    (:class:`sidecar.downstream.DownstreamRunner`'s ``handler``): :func:`sidecar.proxy.handle`
+    (:class:`sidecar.downstream.DownstreamRunner`'s ``handler``): :func:`sidecar.door.handle`
     on the config generation the request starts on, counted on it until it ends.
 
     The proxy has one route (every method, every path), so aiohttp's router, middleware chain

@@ -20,7 +20,7 @@ The cancel API (:mod:`sidecar.cancel`) finds an exchange by its sidecar id (:dat
 and cancels its handler with :data:`~sidecar.replies.CANCELLED`; a request's deadline
 (``routes[].max_duration_s``, lowered by the client's ``X-Sidecar-Deadline-S``:
 :meth:`sidecar.route.RouteTarget.deadline_s`) is one ``loop.call_at`` timer, cancelled when the
-request ends, that does the same with :data:`~sidecar.replies.DEADLINE`. :func:`handle`
+request ends, that does the same with :data:`~sidecar.replies.DEADLINE`. :func:`serve`
 consumes only that cancellation (``Task.uncancel() == 0``: nothing else, e.g. a disconnect,
 asked too, as ``asyncio.timeout`` does) and :meth:`Exchange.end_cancelled` aborts the engine and
 ends the client's response with an error it can parse (the :class:`~sidecar.replies.Ending`'s
@@ -34,24 +34,20 @@ from __future__ import annotations
 
 import asyncio
 import functools
-import json
 import logging
 import time
-import uuid
 from collections.abc import Callable
-from typing import NamedTuple, Protocol, cast
+from typing import Protocol, cast
 
 from aiohttp import HttpVersion11, web
 from aiohttp.http_writer import StreamWriter
-from multidict import CIMultiDict
+from multidict import CIMultiDictProxy
 
-from engine import EngineAdapter, Kept, Unabortable
-from sidecar import tunnel
+from engine import Kept, Unabortable
 from sidecar.abort import Aborter
 from sidecar.confirm import Confirmation
 from sidecar.errors import (
     DownstreamError,
-    RequestBodyTooLarge,
     UpstreamError,
     UpstreamProtocolError,
     UpstreamReadTimeout,
@@ -59,17 +55,23 @@ from sidecar.errors import (
 )
 from sidecar.headers import (
     CLIENT_REQUEST_ID,
-    DEADLINE_HEADER,
     REQUEST_ID,
     downstream_response_headers,
     has_forbidden_characters,
-    unsupported_transfer_coding,
     upstream_request_headers,
 )
 from sidecar.inflight import InflightRecord
-from sidecar.keys import ABORTER, METRICS, RECORD
-from sidecar.logs import RequestLog
+from sidecar.keys import ABORTER, RECORD
 from sidecar.metrics import Metrics
+from sidecar.plan import (
+    AbortStep,
+    Phase,
+    Withheld,
+    abort_steps,
+    prepared_steps,
+    response_phase,
+    stopped_phase,
+)
 from sidecar.relay import Downstream, UpstreamResponse
 from sidecar.replies import (
     CANCEL_WRITE_S,
@@ -80,31 +82,15 @@ from sidecar.replies import (
     cut,
     end_begun,
     ending_response,
-    error_response,
     gone_client,
     upstream_error,
 )
 from sidecar.route import RouteTarget
 from sidecar.runtime import Runtime
-from sidecar.upstream import (
-    RequestBody,
-    open_upstream,
-    origin_form,
-    read_body_chunk,
-)
+from sidecar.ticket import Ticket
+from sidecar.upstream import RequestBody, open_upstream, read_body
 
 log = logging.getLogger(__name__)
-
-
-class AbortStep(NamedTuple):
-    """One abort engine's part of a request's abort: its engine request ids (never empty) and
-    how they get registered (:meth:`~engine.base.EngineAdapter.registered_once_streaming`,
-    :meth:`~engine.base.EngineAdapter.registers_later`)."""
-
-    engine: EngineAdapter
-    ids: tuple[str, ...]
-    once_streaming: bool
-    registers_later: bool
 
 
 class RelayedResponse(web.StreamResponse):
@@ -117,25 +103,22 @@ class RelayedResponse(web.StreamResponse):
     _send_headers_immediately = False
 
 
-class Exchange:
-    """One request's state across the downstream/upstream race."""
+class Exchange(Ticket):
+    """One request's life across the downstream/upstream race: its body relayed upstream, the
+    engine's response relayed downstream, and its early end (a disconnect, the cancel API, the
+    deadline, an upstream fault), which closes the upstream and queues the abort
+    (:mod:`sidecar.plan` says what to abort). Its id, access line and counts: :class:`Ticket`."""
 
     def __init__(self, request: web.Request, runtime: Runtime, target: RouteTarget,
                  aborter: Aborter, metrics: Metrics, target_path: str,
                  record: InflightRecord | None = None) -> None:
-        self.target_path = target_path  # origin-form path and query for the upstream
-        self.runtime = runtime
-        self.request = request
-        self.target = target
+        super().__init__(request, runtime, target, target_path, metrics)
         self.aborter = aborter
         # The record of in-flight engine work (sidecar.inflight): this request's line number
         # in it once its body went whole upstream (0: none).
         self.record = record
         self.record_seq = 0
-        self.metrics = metrics
-        self.id = uuid.uuid4().hex
         self.body: RequestBody | None = None
-        self.body_unrewritten = False  # over replay_buffer_bytes on a body-rewriting route
         self.upstream: UpstreamResponse | None = None
         self.sending: UpstreamResponse | None = None  # the attempt in flight, head or not
         # After an early end at an engine that confirms: the upstream response, read for the
@@ -145,7 +128,7 @@ class Exchange:
         # For the access line: what went downstream, and where the exchange was stopped.
         self.status_sent: int | None = None
         self._bytes_sent = 0  # of a response the sidecar wrote itself
-        self.phase: str | None = None
+        self.phase: Phase | None = None
         self.response: web.StreamResponse | None = None  # once the relayed head is built
         self.downstream: Downstream | None = None  # the relayed body's byte path
         self.task = asyncio.current_task()  # the handler's, cancelled by the cancel API
@@ -159,11 +142,9 @@ class Exchange:
         # The abort plan, derived once the response is relaying (:meth:`_prepare_abort`), so
         # that a disconnect only queues it; None: derived at the disconnect (abort_plan).
         self.prepared: list[AbortStep] | None = None
-        self.prepared_phase = "streaming"  # with prepared: the phase once the body went whole
-        self._plan: list[AbortStep] | None = None  # _derived_plan's, once derived
+        self.prepared_phase = Phase.STREAMING  # with prepared: the phase once the body went whole
+        self._plan: list[AbortStep] | None = None  # _plan_ahead's, once derived
         self._planned = False
-        self.access = RequestLog(self.id, request.method, request.path, target.prefix,
-                                 target.engine.name, request.headers.get(REQUEST_ID))
 
     @property
     def saw_done_event(self) -> bool:
@@ -189,15 +170,18 @@ class Exchange:
         request, engine = self.request, self.target.engine
         settings = self.runtime.settings.upstream
         headers = upstream_request_headers(request.headers, request.remote, request.scheme)
-        client_id = headers.popall(REQUEST_ID, None)
-        headers.popall(DEADLINE_HEADER, None)
-        if client_id:
-            headers[CLIENT_REQUEST_ID] = client_id[0]
-        self.target.tag(request.path, self.id, headers)
+        client_id = self.tag(headers)
         try:
-            self.body = await self._request_body(headers)
+            self.body = await read_body(request, self.target, self.id, headers,
+                                        settings.replay_buffer_bytes,
+                                        self.runtime.settings.downstream)
         except DownstreamError as exc:
             return await self._refuse_body(exc)
+        if self.body.unrewritten:
+            log.warning("request %s: body over %d bytes not rewritten; the engine picks its own "
+                        "request id and cannot be aborted by id (if it ends early: counted in "
+                        "cancel_sidecar_unabortable_requests_total{reason=\"%s\"})", self.id,
+                        settings.replay_buffer_bytes, Unabortable.BODY_OVER_REPLAY_BUFFER)
 
         started = self.sent_at = time.monotonic()
         if self.record is not None:
@@ -231,8 +215,8 @@ class Exchange:
             status=upstream.status, reason=upstream.reason,
             headers=downstream_response_headers(upstream.headers))
         response.headers[REQUEST_ID] = self.id
-        if client_id:
-            response.headers[CLIENT_REQUEST_ID] = client_id[0]
+        if client_id is not None:
+            response.headers[CLIENT_REQUEST_ID] = client_id
         if request.version < HttpVersion11 and "Content-Length" not in response.headers:
             # The body's end is the close (no chunked before HTTP/1.1). aiohttp 3.14 decides so
             # in prepare but keeps the connection for a client that asked for keep-alive: the
@@ -275,7 +259,7 @@ class Exchange:
         # length-delimited one ends without waiting for the client): no pause_writing will
         # come, so the relay starts paused.
         downstream.paused = flow.writing_paused
-        self._prepare_abort()
+        self._prepare_abort(upstream.headers)
         try:
             await upstream.relay(downstream, settings.read_timeout_s)
         except (UpstreamError, DownstreamError) as exc:
@@ -308,7 +292,7 @@ class Exchange:
         disconnect (a background response), nothing unabortable, and no ``abort_from_header``
         target."""
         assert self.record is not None
-        plan = self._derived_plan()
+        plan = self._plan_ahead()
         if not plan or self.record_seq or self.noticed_at is not None:
             return
         body = self.body
@@ -323,50 +307,6 @@ class Exchange:
         """``cancel_sidecar_upstream_time_to_first_byte_seconds``: the upstream request sent ->
         its response head parsed."""
         self.metrics.child(self.metrics.upstream_ttfb, self.target.engine.name).observe(seconds)
-
-    async def _request_body(self, headers: CIMultiDict[str]) -> RequestBody:
-        """The body to relay, read under the request's ``downstream`` limits. Raises
-        :class:`RequestBodyTooLarge` at once for a Content-Length over ``max_body_bytes``."""
-        request = self.request
-        keep = self.runtime.settings.upstream.replay_buffer_bytes
-        limits = self.runtime.settings.downstream
-        if not request.body_exists:
-            return RequestBody(None, keep)
-        length, limit = request.content_length, limits.max_body_bytes
-        if limit and length is not None and length > limit:
-            raise RequestBodyTooLarge(
-                f"Content-Length {length} is over the limit of {limit} bytes")
-        if self.target.rewrites_body(request.method, request.path):
-            return await self._rewritten_body(headers, keep)
-        return RequestBody(request.content, keep, limits=limits)
-
-    async def _rewritten_body(self, headers: CIMultiDict[str], limit: int) -> RequestBody:
-        """Read the body whole (up to ``limit`` bytes) and let the engine adapter rewrite it.
-
-        A larger body is relayed unchanged after what was read: the engine then picks its own
-        request id, so this request cannot be aborted by id (logged; on an early end counted as
-        ``body_over_replay_buffer``, see :meth:`_stop`). Raises
-        :class:`~sidecar.errors.DownstreamError` if the body breaks a ``downstream`` limit.
-        """
-        request = self.request
-        limits = self.runtime.settings.downstream
-        chunks: list[bytes] = []
-        size = 0
-        while size <= limit and (chunk := await read_body_chunk(request.content, limits, size)):
-            chunks.append(chunk)
-            size += len(chunk)
-        if size > limit or not request.content.at_eof():  # over, even if it came in one read
-            log.warning("request %s: body over %d bytes not rewritten; the engine picks its own "
-                        "request id and cannot be aborted by id (if it ends early: counted in "
-                        "cancel_sidecar_unabortable_requests_total{reason=\"%s\"})", self.id,
-                        limit, Unabortable.BODY_OVER_REPLAY_BUFFER)
-            self.body_unrewritten = True
-            return RequestBody(request.content, limit, chunks, limits)
-        body = b"".join(chunks)
-        new = self.target.rewrite_body(request.method, request.path, self.id, body)
-        if new is not None:
-            headers["Content-Length"] = str(len(new))
-        return RequestBody.of(body if new is None else new)
 
     def cancel(self, reason: str, *, disconnect: bool = True) -> None:
         """The client is gone (``disconnect``) or the sidecar is stopping: close upstream, abort
@@ -428,8 +368,8 @@ class Exchange:
             body = None
             # "request_body": a response relaying while the client still sends the body
             phase = self.phase = (self.prepared_phase if request_body is not None
-                                  and request_body.complete else "request_body")
-        if phase != "request_body":
+                                  and request_body.complete else Phase.REQUEST_BODY)
+        if phase is not Phase.REQUEST_BODY:
             body_sent_at = (request_body.sent_at if request_body and request_body.sent_at
                             else self.sent_at)
             # A lone id whose engine sent response body bytes, on a route where it streams only
@@ -452,7 +392,7 @@ class Exchange:
                         and self.confirmation is None and not upstream.complete
                         and engine.base_url == self.target.engine.base_url
                         and engine.settings.abort.confirm_timeout_s > 0
-                        and (self.upstream is None or phase == "streaming")):
+                        and (self.upstream is None or phase is Phase.STREAMING)):
                     confirmation = self.confirmation = Confirmation(upstream)
                 self.aborter.abort(engine, ids, self.id, noticed_at, self.access,
                                    None if registered else noticed_at if later else body_sent_at,
@@ -508,141 +448,86 @@ class Exchange:
                  f"aborting {aborting} engine id(s)" if aborting else "nothing to abort")
 
     def abort_plan(self, body: bytes | None) -> list[AbortStep]:
-        """Every :class:`AbortStep` of this request now that it ended early: the route's abort
-        engines (``routes[].abort``) and the one its ``abort_from_header`` header names, if
-        allowed (:meth:`RouteTarget.abort_engines`), with ids. ``body``: the kept copy. Counts
-        and logs what cannot be aborted; calls nothing."""
-        engines = self.target.abort_engines(self.request.headers, self.id, self.metrics)
-        return [step for engine in engines
-                if (step := self._abort_step(engine, self._engine_ids(engine, body), body))]
+        """Every :class:`AbortStep` of this request now that it ended early
+        (:func:`sidecar.plan.abort_steps`): the route's abort engines (``routes[].abort``) and
+        the one its ``abort_from_header`` header names, if allowed
+        (:meth:`RouteTarget.abort_engines`, which counts and logs a refused one), with ids.
+        ``body``: the kept copy. Counts and logs what is withheld (:meth:`_withhold`); calls
+        nothing."""
+        request, request_body = self.request, self.body
+        engines = self.target.abort_engines(request.headers, self.id, self.metrics)
+        steps, withheld = abort_steps(
+            engines, request.method, request.path, self.id, body,
+            unrewritten=request_body is not None and request_body.unrewritten,
+            over_limit=request_body is not None and request_body.copy_over_limit)
+        if withheld:
+            self._withhold(withheld)
+        return steps
 
-    def _abort_step(self, engine: EngineAdapter, ids: tuple[str, ...],
-                    body: bytes | None) -> AbortStep | None:
-        """``engine``'s :class:`AbortStep` for ``ids`` (derived from ``body``, the kept copy);
-        ``None`` if there are none."""
-        if not ids:
-            return None
-        method, path = self.request.method, self.request.path
-        return AbortStep(engine, ids, engine.registered_once_streaming(method, path),
-                         engine.registers_later(method, path, ids, body))
+    def _withhold(self, withheld: tuple[Withheld, ...]) -> None:
+        """Count and log each engine the abort plan withholds (:class:`sidecar.plan.Withheld`):
+        kept after its client leaves (a background response: counted per engine, one INFO line,
+        and the access line's ``kept_by_engine``), or unabortable (counted, one WARNING)."""
+        for engine, reason, named in withheld:
+            if isinstance(reason, Kept):
+                self.metrics.kept.labels(engine.name, reason).inc()
+                if self.access.kept_by_engine(reason):
+                    log.info("request %s: not aborted: the engine keeps it after the client "
+                             "leaves (%s: %s); counted in cancel_sidecar_kept_requests_total",
+                             self.id, reason, reason.why)
+                continue
+            self.metrics.unabortable.labels(engine.name, reason).inc()
+            if named:
+                log.warning("request %s: engine %s may run some of it under ids the sidecar "
+                            "cannot name: its body was over upstream.replay_buffer_bytes, and "
+                            "the ids are counted from the body; aborting the %d it can name; "
+                            "counted in cancel_sidecar_unabortable_requests_total"
+                            "{reason=\"%s\"}", self.id, engine.name, named, reason)
+            else:
+                log.warning("request %s: engine %s cannot be told to stop it by id (%s); only "
+                            "its upstream is closed; counted in "
+                            "cancel_sidecar_unabortable_requests_total{reason=\"%s\"}",
+                            self.id, engine.name, reason.why, reason)
 
-    def _prepare_abort(self) -> None:
-        """Derive the abort plan now that the response relays (its head is in, the body copy
-        final), so that a disconnect only queues it: when hundreds of clients leave at once,
-        each disconnect's cost delays noticing the next (~0.5 ms of p99 client close -> abort
-        call per microsecond, ``python -m bench``'s storm). Only a plan whose derivation counts
-        and logs nothing (no ``abort_from_header``, nothing kept or unabortable) is prepared;
-        the others are derived at the disconnect, as :meth:`abort_plan` does."""
-        plan = self._derived_plan()
+    def _prepare_abort(self, headers: CIMultiDictProxy[str]) -> None:
+        """Derive the abort plan now that the response relays (its head, ``headers``, is in; the
+        body copy final), so that a disconnect only queues it: when hundreds of clients leave at
+        once, each disconnect's cost delays noticing the next (~0.5 ms of p99 client close ->
+        abort call per microsecond, ``python -m bench``'s storm). Only a plan whose derivation
+        counts and logs nothing (no ``abort_from_header``, nothing kept or unabortable) is
+        prepared; the others are derived at the disconnect, as :meth:`abort_plan` does."""
+        plan = self._plan_ahead()
         if plan is not None:
             self.prepared = plan
-            self.prepared_phase = self._response_phase()
+            self.prepared_phase = response_phase(headers)
 
-    def _derived_plan(self) -> list[AbortStep] | None:
-        """The abort plan :meth:`_prepare_abort` prepares, derived once (the body copy is final
-        once the body went whole upstream); ``None`` if it must be derived at the end instead
-        (an ``abort_from_header`` route, something kept or unabortable)."""
+    def _plan_ahead(self) -> list[AbortStep] | None:
+        """:func:`sidecar.plan.prepared_steps`, derived once (the body copy is final once the
+        body went whole upstream)."""
         if self._planned:
             return self._plan
         self._planned = True
-        if self.target.from_header is not None:
-            return None
-        body = self.body.copy() if self.body else None
-        plan = []
-        for engine in self.target.aborts:
-            ids, reason = self._derive_ids(engine, body)
-            if reason is not None:
-                return None
-            if step := self._abort_step(engine, ids, body):
-                plan.append(step)
-        self._plan = plan
+        request, body = self.request, self.body
+        plan = self._plan = prepared_steps(
+            self.target, request.method, request.path, self.id,
+            body.copy() if body else None,
+            unrewritten=body is not None and body.unrewritten,
+            over_limit=body is not None and body.copy_over_limit)
         return plan
 
-    def _derive_ids(self, engine: EngineAdapter,
-                    body: bytes | None) -> tuple[tuple[str, ...], Kept | Unabortable | None]:
-        """The ids to abort at ``engine``, or none and why: the engine keeps the request after
-        its client leaves (``Kept``), or may still run it under ids the sidecar cannot know
-        (``Unabortable``; ``None`` if nothing needs saying). ``body``: the kept copy. An engine
-        that never aborts (kind ``openai``) is close-only by its configuration: no reason.
-        Counts and logs nothing."""
-        method, path = self.request.method, self.request.path
-        if (kept := engine.kept_after_disconnect(method, path, body)) is not None:
-            return (), kept
-        if self.body_unrewritten and engine.rewrites_body(method, path):
-            return (), Unabortable.BODY_OVER_REPLAY_BUFFER
-        ids = engine.engine_request_ids(method, path, self.id, body)
-        if (body is None and self.body is not None and self.body.copy_over_limit
-                and engine.wants_body(method, path)):
-            # The ids are counted from the body (prompts, conversations, items), which was too
-            # large to keep: those derivable without it are aborted, the others may run on.
-            return ids, Unabortable.BODY_OVER_REPLAY_BUFFER
-        if ids or not engine.aborts:
-            return ids, None
-        return (), engine.unabortable(method, path, body)
-
-    def _engine_ids(self, engine: EngineAdapter, body: bytes | None) -> tuple[str, ...]:
-        """:meth:`_derive_ids`, with a ``Kept`` reason counted and logged (:meth:`_kept`) and
-        an ``Unabortable`` one counted and logged here."""
-        ids, reason = self._derive_ids(engine, body)
-        if reason is None:
-            return ids
-        if isinstance(reason, Kept):
-            self._kept(engine, reason)
-            return ()
-        self.metrics.unabortable.labels(engine.name, reason).inc()
-        if ids:
-            log.warning("request %s: engine %s may run some of it under ids the sidecar cannot "
-                        "name: its body was over upstream.replay_buffer_bytes, and the ids are "
-                        "counted from the body; aborting the %d it can name; counted in "
-                        "cancel_sidecar_unabortable_requests_total{reason=\"%s\"}", self.id,
-                        engine.name, len(ids), reason)
-            return ids
-        log.warning("request %s: engine %s cannot be told to stop it by id (%s); only its "
-                    "upstream is closed; counted in cancel_sidecar_unabortable_requests_total"
-                    "{reason=\"%s\"}", self.id, engine.name, reason.why, reason)
-        return ()
-
-    def _kept(self, engine: EngineAdapter, reason: Kept) -> None:
-        """``engine`` keeps the request after its client leaves on purpose (a background
-        response): no abort call, counted per engine, one INFO line, and the access line's
-        ``kept_by_engine``."""
-        self.metrics.kept.labels(engine.name, reason).inc()
-        if self.access.kept_by_engine(reason):
-            log.info("request %s: not aborted: the engine keeps it after the client leaves "
-                     "(%s: %s); counted in cancel_sidecar_kept_requests_total", self.id,
-                     reason, reason.why)
-
-    def _phase(self, body: bytes | None) -> str:
-        """Where the request was when it stopped: ``request_body`` (the engine never had all of
-        it), ``before_first_byte`` (a stream was asked for; the engine queues or prefills),
-        ``awaiting_response`` (a non-streaming response is being computed or sent) or
-        ``streaming``. ``body`` is the kept body copy. Cold path: parsed only here."""
-        if self.body is None or not self.body.complete:
-            return "request_body"
-        if self.upstream is not None:
-            return self._response_phase()
-        copy = body or b""
-        try:
-            asked = b'"stream"' in copy and json.loads(copy).get("stream") is True
-        except (ValueError, AttributeError, RecursionError):
-            asked = False
-        return "before_first_byte" if asked else "awaiting_response"
-
-    def _response_phase(self) -> str:
-        """:meth:`_phase` once the response head is in and the body went whole: ``streaming``
-        for an SSE response, else ``awaiting_response``."""
-        assert self.upstream is not None
-        # Not aiohttp's ``content_type``: it parses with the email package, ~30 us.
-        ctype = self.upstream.headers.get("Content-Type", "")
-        streamed = ctype.partition(";")[0].strip().lower() == "text/event-stream"
-        return "streaming" if streamed else "awaiting_response"
+    def _phase(self, body: bytes | None) -> Phase:
+        """Where the request was when it stopped (:func:`sidecar.plan.stopped_phase`);
+        ``body``: the kept body copy."""
+        request_body, upstream = self.body, self.upstream
+        return stopped_phase(request_body is not None and request_body.complete,
+                             None if upstream is None else upstream.headers, body)
 
     async def _refuse_body(self, exc: DownstreamError) -> web.StreamResponse:
         """The client's body broke a ``downstream`` limit before the engine had all of it: the
         upstream request, if one was sent, is already closed and nothing is aborted. The client
         gets the JSON error and its connection is closed: the rest of its body is never read."""
         self.upstream_finished = True
-        self.phase = "request_body"
+        self.phase = Phase.REQUEST_BODY
         kind = type(exc).__name__.removeprefix("Request")
         self.metrics.downstream_errors.labels(self.target.prefix, kind).inc()
         log.info("request %s: %s; upstream closed, nothing to abort", self.id, exc)
@@ -698,7 +583,7 @@ class Exchange:
 
     def request_cancel(self, ending: Ending = CANCELLED) -> bool:
         """The cancel API (or the deadline timer, with :data:`DEADLINE`): cancel the handler;
-        :func:`handle` then calls :meth:`end_cancelled`. ``False`` if the request is already
+        :func:`serve` then calls :meth:`end_cancelled`. ``False`` if the request is already
         ending: another ending was requested, the client is gone (its disconnect is being
         handled: the connection is lost or closing), the handler is done, or the stream has
         already relayed ``data: [DONE]`` (the client has its whole answer and the engine is
@@ -740,7 +625,7 @@ class Exchange:
 
     async def _cancelled_before_head(self, ending: Ending) -> web.StreamResponse:
         response = ending_response(ending, self.id, self.request.headers.get(REQUEST_ID))
-        if self.phase == "request_body":
+        if self.phase is Phase.REQUEST_BODY:
             response.force_close()  # the rest of the body is never read
         try:
             async with asyncio.timeout(CANCEL_WRITE_S):
@@ -750,13 +635,13 @@ class Exchange:
             cut(self.request, response)
             return response
         self.status_sent, self.bytes_sent = response.status, response.body_length
-        if self.phase == "request_body" and self.request.transport is not None:
+        if self.phase is Phase.REQUEST_BODY and self.request.transport is not None:
             self.request.transport.close()  # else aiohttp reads what is left: see _refuse_body
         return response
 
 
 # Requests in flight by sidecar request id (the X-Request-Id returned to the client), for the
-# cancel API (sidecar.cancel): added when handle creates the Exchange, removed as it ends. On the
+# cancel API (sidecar.cancel): added when serve creates the Exchange, removed as it ends. On the
 # proxy app; the admin listener of the same process (or a --workers worker's control listener)
 # reads it through cancel.local_canceller.
 EXCHANGES: web.AppKey[dict[str, Exchange]] = web.AppKey("exchanges")
@@ -766,7 +651,7 @@ def _left_first(exc: BaseException) -> ConnectionResetError:
     """The client left before the engine's side failed: the engine ended its side on the abort
     the disconnect queued, while this handler's teardown waited its turn
     (:class:`sidecar.downstream.TeardownPacer`). Raised as a write to the gone client would
-    raise, so :func:`handle` ends it as the disconnect it is, not as an upstream error."""
+    raise, so :func:`serve` ends it as the disconnect it is, not as an upstream error."""
     return ConnectionResetError(f"the client left first; then the engine's side ended: {exc}")
 
 
@@ -793,57 +678,19 @@ class LossHook(Protocol):
     def follow_up(self, callback: Callable[[], None]) -> None: ...
 
 
-def refuse(request: web.Request, status: int, message: str, error_type: str,
-           target: RouteTarget | None = None, metrics: Metrics | None = None) -> web.Response:
-    """A request the proxy answers itself with an OpenAI-style JSON error, with its own access
-    line; once routed (``target``), the line names the route and engine, and
-    ``cancel_sidecar_requests_total`` counts it (``metrics``): an unrouted request has no route
-    label to count under."""
-    request_id, client_id = uuid.uuid4().hex, request.headers.get(REQUEST_ID)
-    response = error_response(status, message, error_type, request_id, client_id)
-    route, engine = (None, None) if target is None else (target.prefix, target.engine.name)
-    RequestLog(request_id, request.method, request.path, route, engine, client_id
-               ).handler_done(status, response.content_length or 0, False, None)
-    if target is not None and metrics is not None:
-        metrics.child(metrics.requests, target.prefix, f"{status // 100}xx").inc()
-    return response
-
-
-async def handle(request: web.Request, runtime: Runtime,
-                 app: web.Application) -> web.StreamResponse:
-    """Proxy one request with the config generation ``runtime`` it started on; the proxy's
-    state (metrics, aborter, requests in flight) is read from ``app``
-    (:func:`sidecar.app.proxy_handler`)."""
-    loop = asyncio.get_running_loop()
-    received = loop.time()  # the head was just parsed: the deadline counts from here
-    target_path = origin_form(request.raw_path, request.rel_url.raw_path_qs)
-    if target_path is None:  # before routing: "*" matches only a catch-all route
-        return refuse(request, 400, "the request target must be a path", "invalid_request")
-    target = runtime.router.match(request.path)
-    if target is None:
-        return refuse(request, 404, f"no route for path {json.dumps(request.path)}",
-                      "route_not_found")
-    metrics = app[METRICS]
-    if request.path.rstrip("/") in target.forbidden_paths:
-        # Only the sidecar aborts: a client must not abort other clients' requests.
-        return refuse(request, 403, "the engine's abort endpoint is not exposed to clients",
-                      "forbidden", target, metrics)
-    if unsupported_transfer_coding(request.headers):
-        refusal = refuse(request, 501, "only the chunked transfer coding is supported",
-                         "not_implemented", target, metrics)
-        refusal.force_close()  # the body is left unread
-        return refusal
-    try:
-        deadline = target.deadline_s(request.headers)
-    except ValueError as exc:
-        return refuse(request, 400, str(exc), "invalid_request", target, metrics)
-    if tunnel.wants_tunnel(request):  # Connection: Upgrade (a WebSocket): relayed, never aborted
-        return await tunnel.relay(request, runtime, target, target_path, received, deadline,
-                                  metrics)
+async def serve(request: web.Request, runtime: Runtime, target: RouteTarget, target_path: str,
+                received: float, deadline_s: float | None, metrics: Metrics,
+                app: web.Application) -> web.StreamResponse:
+    """Proxy ``request``, admitted by the front door (:func:`sidecar.door.handle`) for
+    ``target`` (``target_path``: its origin-form target), on the config generation ``runtime``:
+    one :class:`Exchange`, findable by the cancel API (:data:`EXCHANGES`) while it runs, ended by
+    its deadline (``deadline_s`` seconds from the loop time ``received``; ``None``: none), and
+    counted, whichever way it ends, in ``metrics`` and its access line; the aborter, the record
+    of in-flight work and the requests in flight are ``app``'s."""
     exchange = Exchange(request, runtime, target, app[ABORTER], metrics, target_path,
                         app[RECORD])
-    timer = (None if deadline is None
-             else loop.call_at(received + deadline, exchange.request_cancel, DEADLINE))
+    timer = (None if deadline_s is None else asyncio.get_running_loop().call_at(
+        received + deadline_s, exchange.request_cancel, DEADLINE))
     exchanges = app[EXCHANGES]
     exchanges[exchange.id] = exchange
     protocol = request.protocol
@@ -851,8 +698,6 @@ async def handle(request: web.Request, runtime: Runtime,
     hook = cast(LossHook, protocol) if hasattr(protocol, "on_lost") else None
     if hook is not None:
         hook.on_lost = exchange.client_gone
-    in_flight = metrics.child(metrics.in_flight, target.prefix)
-    in_flight.inc()
     status_class = "disconnected"  # or "cancelled": the sidecar ended it (shutdown, cancel API,
     # deadline)
     gone = False
@@ -892,7 +737,5 @@ async def handle(request: web.Request, runtime: Runtime,
             hook.on_lost = None
         del exchanges[exchange.id]
         exchange.close()
-        in_flight.dec()
-        metrics.child(metrics.requests, target.prefix, status_class).inc()
-        exchange.access.handler_done(exchange.status_sent, exchange.bytes_sent, gone,
-                                     exchange.phase)
+        exchange.done(status_class, exchange.status_sent, exchange.bytes_sent, gone,
+                      exchange.phase)

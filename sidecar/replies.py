@@ -6,7 +6,7 @@ Every error the sidecar answers has OpenAI's error shape (:func:`error_response`
 the client's own as ``X-Client-Request-Id`` when it has them (:mod:`sidecar.headers`)::
 
     refused: framing or target not trusted        closing_error (Connection: close)
-    refused: by the proxy's admission checks      error_response (proxy.refuse: + access line)
+    refused: by the proxy's admission checks      error_response (door.refuse: + access line)
     the body broke a downstream limit (413, 408)  body_error (the connection closed)
     the engine gave no usable response (502, 504) upstream_error (its cause: to the log only)
     the sidecar ends it (cancel API, deadline)    an Ending: ending_response before the head;

@@ -100,7 +100,7 @@ class Runtimes:
         return self.current
 
     def _close_unused(self) -> None:
-        # A request uses the generation it entered on (proxy.handle gets it from enter()).
+        # A request uses the generation it entered on (app.proxy_handler gets it from enter()).
         for runtime in [r for r in self._retired if not r.in_flight]:
             self._retired.remove(runtime)
             self.tasks.spawn(runtime.close(),

@@ -61,7 +61,6 @@ import socket
 import ssl
 import struct
 import time
-import uuid
 from collections import deque
 from typing import cast
 
@@ -81,19 +80,17 @@ from sidecar.errors import (
     detail,
 )
 from sidecar.headers import (
-    CLIENT_REQUEST_ID,
-    DEADLINE_HEADER,
     REQUEST_ID,
     downstream_response_headers,
     has_forbidden_characters,
     is_upgrade,
     upgrade_request_headers,
 )
-from sidecar.logs import RequestLog
 from sidecar.metrics import Metrics
 from sidecar.replies import gone_client, upstream_error
 from sidecar.route import RouteTarget
 from sidecar.runtime import Runtime
+from sidecar.ticket import Ticket
 from sidecar.upstream import MAX_HEADER_BYTES, READ_BUFFER_BYTES
 
 log = logging.getLogger(__name__)
@@ -305,21 +302,15 @@ class _EngineSide(asyncio.Protocol):
         self.tunnel.engine_lost(exc)
 
 
-class Tunnel:
-    """One upgrade request: the handshake, then the relay until either side ends it."""
+class Tunnel(Ticket):
+    """One upgrade request: the handshake, then the relay until either side ends it. Its id,
+    access line and counts: :class:`Ticket`."""
 
     def __init__(self, request: web.Request, runtime: Runtime, target: RouteTarget,
                  target_path: str, metrics: Metrics) -> None:
-        self.request = request
-        self.runtime = runtime
-        self.target = target
-        self.target_path = target_path
-        self.metrics = metrics
+        super().__init__(request, runtime, target, target_path, metrics)
         self.loop = asyncio.get_running_loop()
-        self.id = uuid.uuid4().hex
         self.upgrade = request.headers.get("Upgrade", "")[:40]
-        self.access = RequestLog(self.id, request.method, request.path, target.prefix,
-                                 target.engine.name, request.headers.get(REQUEST_ID))
         self.engine: _EngineSide | None = None
         self.switched = False
         self.switched_at = 0.0
@@ -343,11 +334,9 @@ class Tunnel:
         """Relay the upgrade; returns the response aiohttp finishes (a :class:`SwitchedResponse`
         after a ``101``). Cancellation (a disconnect, the stop drain) propagates after both
         sides are closed."""
-        prefix = self.target.prefix
         status: int | None = None
         sent = 0
         status_class = "disconnected"
-        self.metrics.in_flight.labels(prefix).inc()
         try:
             try:
                 head = await self._handshake()
@@ -379,13 +368,11 @@ class Tunnel:
             if engine is not None and engine.transport is not None and not self.switched:
                 # A refusal relayed whole: FIN; cut short, or a failed handshake: reset.
                 (_close if engine.message_done else _reset)(engine.transport)
-            self.metrics.in_flight.labels(prefix).dec()
-            self.metrics.requests.labels(prefix, status_class).inc()
             gone = self.closed_by == CLIENT or status_class == "disconnected"
             if self.switched:
                 self._count_session()
                 sent = self.to_client
-            self.access.handler_done(status, sent, gone, "tunnel" if self.switched else None)
+            self.done(status_class, status, sent, gone, "tunnel" if self.switched else None)
 
     async def _handshake(self) -> bytes:
         """Connect, send the head, wait for the engine's. Returns the ``101``'s head bytes, or
@@ -399,11 +386,7 @@ class Tunnel:
             host, port_text = authority, "443" if scheme == "https" else "80"
         host = host.strip("[]")
         headers = upgrade_request_headers(request.headers, request.remote, request.scheme)
-        client_id = headers.popall(REQUEST_ID, None)
-        headers.popall(DEADLINE_HEADER, None)
-        if client_id:
-            headers[CLIENT_REQUEST_ID] = client_id[0]
-        self.target.tag(request.path, self.id, headers)
+        self.tag(headers)
         lines = [f"{request.method} {self.target_path} HTTP/1.1", f"Host: {authority}"]
         lines += [f"{name}: {value}" for name, value in headers.items()]
         # aiohttp decodes header bytes as UTF-8 with surrogateescape: this gives them back.

@@ -30,6 +30,7 @@ import time
 from collections.abc import AsyncIterator, Callable, Mapping
 
 import aiohttp
+from aiohttp import web
 from multidict import CIMultiDict
 
 from sidecar.config import DownstreamSettings, UpstreamSettings
@@ -51,8 +52,9 @@ from sidecar.relay import (
     origin,
     request_head,
 )
+from sidecar.route import RouteTarget
 
-__all__ = ["MAX_HEADER_BYTES", "READ_BUFFER_BYTES", "RequestBody", "open_upstream"]
+__all__ = ["MAX_HEADER_BYTES", "READ_BUFFER_BYTES", "RequestBody", "open_upstream", "read_body"]
 
 log = logging.getLogger(__name__)
 
@@ -95,6 +97,42 @@ def check_body_size(limits: DownstreamSettings, size: int) -> None:
             f"request body over the limit of {limits.max_body_bytes} bytes")
 
 
+async def read_body(request: web.BaseRequest, target: RouteTarget, sidecar_id: str,
+                    headers: CIMultiDict[str], keep: int,
+                    limits: DownstreamSettings) -> RequestBody:
+    """The body of ``request`` to relay to ``target``'s engine, read under ``limits`` and kept up
+    to ``keep`` bytes (``upstream.replay_buffer_bytes``). On a route that rewrites it (an engine
+    adapter sets its id in the body: SGLang's ``rid``, vLLM's Responses ``request_id``) the body
+    is read whole first and rewritten for ``sidecar_id`` (``headers``' ``Content-Length`` set
+    to the new length); one over ``keep`` is relayed unchanged after what was read, and marked
+    :attr:`RequestBody.unrewritten` (the engine then picks its own request id: it cannot be
+    aborted by id). Raises :class:`RequestBodyTooLarge` at once for a Content-Length over
+    ``max_body_bytes``, and any :class:`~sidecar.errors.DownstreamError` of reading."""
+    if not request.body_exists:
+        return RequestBody(None, keep)
+    length, limit = request.content_length, limits.max_body_bytes
+    if limit and length is not None and length > limit:
+        raise RequestBodyTooLarge(
+            f"Content-Length {length} is over the limit of {limit} bytes")
+    method, path = request.method, request.path
+    if not target.rewrites_body(method, path):
+        return RequestBody(request.content, keep, limits=limits)
+    chunks: list[bytes] = []
+    size = 0
+    while size <= keep and (chunk := await read_body_chunk(request.content, limits, size)):
+        chunks.append(chunk)
+        size += len(chunk)
+    if size > keep or not request.content.at_eof():  # over, even if it came in one read
+        body = RequestBody(request.content, keep, chunks, limits)
+        body.unrewritten = True
+        return body
+    whole = b"".join(chunks)
+    new = target.rewrite_body(method, path, sidecar_id, whole)
+    if new is not None:
+        headers["Content-Length"] = str(len(new))
+    return RequestBody.of(whole if new is None else new)
+
+
 class RequestBody:
     """Relays the downstream request body upstream chunk by chunk, keeping a bounded copy.
 
@@ -102,6 +140,10 @@ class RequestBody:
     engine adapter's id derivation. ``complete`` turns true once the last byte went upstream.
     ``limits`` bounds reading the client (:func:`read_body_chunk`, :func:`check_body_size`).
     """
+
+    # Over ``keep_limit`` on a route that rewrites the body, so relayed unrewritten
+    # (:func:`read_body`): the engine picks its own request id.
+    unrewritten = False
 
     def __init__(self, content: aiohttp.StreamReader | None, keep_limit: int,
                  prefix: list[bytes] | None = None,
