@@ -8,9 +8,10 @@ Data flow for one request (modules named after the nouns)::
                    ──► engine adapter tags ids (engine/: X-Request-Id, or a body field such
                        as SGLang's rid, = a sidecar-minted id)
                    ──► upstream request (upstream.py: sent, re-sent once after a stale
-                       connection) and its response (relay.py: pooled connections as asyncio
+                       connection) and its response (relay.py: engine connections as asyncio
                        protocols; each body piece goes from the engine's socket to the
-                       client's transport in the read callback)
+                       client's transport in the read callback; pool.py keeps them alive,
+                       read_pacer.py holds their reads while clients leave)
     client disconnect (aiohttp cancels the handler: proxy.py's Exchange, one request's life)
                    ──► upstream closed + engine abort (plan.py: which ids at which engines, by
                        pure functions; abort.py: own task, bounded, counted;

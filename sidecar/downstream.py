@@ -60,7 +60,8 @@ from aiohttp.web_protocol import RequestHandler
 from aiohttp.web_request import BaseRequest
 from yarl import URL
 
-from sidecar.relay import HOLD_S, Downstream
+from sidecar.read_pacer import HOLD_S
+from sidecar.relay import Downstream
 from sidecar.replies import closing_error
 
 log = logging.getLogger(__name__)
@@ -125,7 +126,7 @@ class TeardownPacer:
     the last abort of 500 left 150-200 ms after its client).
 
     So a turn is *busy* while clients are leaving: connections were lost in the turn before it,
-    or within ``hold_s`` (:data:`sidecar.relay.HOLD_S`, as the held engine reads) before it.
+    or within ``hold_s`` (:data:`sidecar.read_pacer.HOLD_S`, as the held engine reads) before it.
     It runs at most ``follow_ups_per_busy_turn`` follow-ups and ``per_busy_turn`` teardowns,
     enough to keep moving. A quiet turn runs every follow-up waiting and up to ``per_turn``
     teardowns. Busy for ``hold_s`` and not only in the turn after a loss: a storm's resets come

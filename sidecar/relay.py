@@ -10,14 +10,13 @@ each socket read is one Python step::
            -> httptools (llhttp) parses them: on_body(piece)
            -> Downstream.write(piece): chunk framing, transport.write to the client
 
-    UpstreamPool (one per config generation): keep-alive connections per engine origin, each
-        idle one closed after ``keepalive_timeout_s``; ``max_connections`` bounds those in use
     UpstreamConnection (asyncio.Protocol): one request at a time; a response read to its end
         with keep-alive goes back to the pool, any other is closed
     UpstreamResponse: one attempt's response: its head (a future), then its body relayed
     Downstream: the client's side: framing, counters, backpressure
-    ReadPacer (one per pool): while clients leave, reads are held and relayed a few per loop
-        turn, so that the lost connections' aborts are queued first
+
+The connections are opened and kept by :mod:`sidecar.pool` (``UpstreamPool``); while clients
+leave, their reads are held by :mod:`sidecar.read_pacer` (``ReadPacer``).
 
 Backpressure: when the client's transport holds more than its high-water mark
 (``downstream.write_buffer_bytes``), the downstream protocol's ``pause_writing`` pauses reading
@@ -25,9 +24,9 @@ the engine's socket, and ``resume_writing`` resumes it; the engine's writes then
 kernel's buffers. aiohttp still terminates client connections, parses requests and writes the
 response head (:class:`sidecar.downstream.DownstreamHandler` carries the two hooks).
 
-Errors are :mod:`sidecar.errors`: :class:`UpstreamConnectError`/:class:`UpstreamConnectTimeout`
-(connect), :class:`UpstreamDisconnected` (the engine closed or reset the connection: before the
-head, or mid-body), :class:`UpstreamProtocolError` (bytes that are not an HTTP/1.x response, a
+Errors are :mod:`sidecar.errors` (those of connecting: :mod:`sidecar.pool`):
+:class:`UpstreamDisconnected` (the engine closed or reset the connection: before the head, or
+mid-body), :class:`UpstreamProtocolError` (bytes that are not an HTTP/1.x response, a
 header field over ``MAX_HEADER_BYTES``), :class:`UpstreamReadTimeout` (no body byte within
 ``read_timeout_s`` while the client was not the one slowing the relay).
 """
@@ -35,10 +34,7 @@ header field over ``MAX_HEADER_BYTES``), :class:`UpstreamReadTimeout` (no body b
 from __future__ import annotations
 
 import asyncio
-import logging
 import socket
-import ssl
-from collections import deque
 from collections.abc import Iterable
 from functools import lru_cache
 from typing import Protocol, cast
@@ -47,27 +43,19 @@ from urllib.parse import urlsplit
 import httptools
 from multidict import CIMultiDict, CIMultiDictProxy
 
-from sidecar.config import UpstreamSettings
 from sidecar.errors import (
-    UpstreamConnectError,
-    UpstreamConnectTimeout,
     UpstreamDisconnected,
     UpstreamError,
     UpstreamProtocolError,
     UpstreamReadTimeout,
 )
-from sidecar.tasks import TaskSet
-
-log = logging.getLogger(__name__)
+from sidecar.read_pacer import CLOCK_RESOLUTION_S, MAX_HELD_BYTES, ReadPacer
 
 MAX_HEADER_BYTES = 65536  # one header field (request or response; aiohttp's default: 8190)
 MAX_HEAD_BYTES = 4 * MAX_HEADER_BYTES
 SSE_DONE = b"data: [DONE]\n\n"
 # Interim statuses llhttp ends without a body (100 Continue, 102 Processing, 103 Early Hints)
 _INTERIM = frozenset({100, 102, 103})
-_CLOCK_RESOLUTION_S = 0.001  # uvloop's clock and timers count milliseconds
-HOLD_S = 0.01  # reads are held this long after a client left with its abort queued (ReadPacer)
-MAX_HELD_BYTES = 65536  # a connection's held reads are relayed at once beyond this
 
 
 class Origin:
@@ -358,7 +346,7 @@ class UpstreamResponse:
         downstream = self.downstream
         if downstream is not None and downstream.paused:  # the client is slow, not the engine
             self._timer = loop.call_later(timeout_s, self._check, timeout_s)
-        elif since is not None and loop.time() - since < timeout_s - _CLOCK_RESOLUTION_S:
+        elif since is not None and loop.time() - since < timeout_s - CLOCK_RESOLUTION_S:
             self._timer = loop.call_at(since + timeout_s, self._check, timeout_s)
         else:
             self._timer = None
@@ -372,112 +360,20 @@ class _HeadOnly(Exception):
     (llhttp's "skip the body" answer is not reachable through httptools)."""
 
 
-class ReadPacer:
-    """Holds the engines' reads back while clients are leaving, so that the aborts go first.
+class Pool(Protocol):
+    """What a connection asks of its pool (:class:`sidecar.pool.UpstreamPool`)."""
 
-    Why: when hundreds of clients leave at once, each lost connection costs the proxy ~20-40 us
-    before its abort is queued (uvloop reads the reset, the proxy derives the ids), and the
-    streams that go on keep their engines' reads coming, ~40-60 us each to relay. Relayed as
-    they arrive, a burst of reads sat between the resets: in ``python -m bench``'s storm (500 of
-    1,000 streams reset at once, 100 ms/token) the sidecar noticed the last reset 35-60 ms after
-    its client's close, behind 150-200 relayed reads at a time.
+    reads: ReadPacer  # holds the engines' reads while clients leave
 
-    So for ``HOLD_S`` after a client left with its abort queued (:meth:`hold`, from
-    :meth:`UpstreamConnection.retire`), every read of this pool's connections is kept as bytes
-    (:meth:`UpstreamConnection.data_received`) and relayed later, in arrival order per
-    connection: ``per_busy_turn`` connections' reads in a loop turn that follows lost
-    connections, ``per_turn`` in other turns, until none waits. A connection whose reads wait
-    adds the next ones to them (never out of order); one whose held bytes pass
-    ``MAX_HELD_BYTES`` is relayed at once (bounded memory); its ``connection_lost`` relays them
-    first (the engine's last bytes, then its close). The streams that go on pay for it in
-    inter-token latency during the storm, a loop turn or a few per read. Reads of a response
-    whose client left (read for an abort's confirmation: :mod:`sidecar.confirm`) wait for a
-    turn that no client left in: nobody waits for them, and hundreds of engine ends read
-    between the resets would delay the aborts of the clients still leaving.
-    """
+    def idle(self, connection: UpstreamConnection) -> None: ...
 
-    __slots__ = ("_handle", "_timer", "_waiting", "_watched", "busy", "held_reads", "holding",
-                 "per_busy_turn", "per_turn", "until")
-
-    def __init__(self, per_turn: int = 16, per_busy_turn: int = 2) -> None:
-        self.per_turn = per_turn
-        self.per_busy_turn = per_busy_turn
-        self.holding = False  # reads are kept, not relayed as they arrive
-        self.busy = False  # a client left since the last turn: clients are still leaving
-        self.until = 0.0  # loop time at which holding ends, unless a client leaves again
-        self.held_reads = 0  # reads held so far (not relayed as they arrived)
-        self._waiting: deque[UpstreamConnection] = deque()
-        # Responses whose client left (sidecar.relay.Watcher: an abort's confirmation): nobody
-        # waits for their bytes, so they are relayed only in turns no client left in.
-        self._watched: deque[UpstreamConnection] = deque()
-        self._handle: asyncio.Handle | None = None
-        self._timer: asyncio.TimerHandle | None = None
-
-    def hold(self) -> None:
-        """A client left and its abort is queued: hold reads for ``HOLD_S`` from now."""
-        loop = asyncio.get_running_loop()
-        self.holding = self.busy = True
-        self.until = loop.time() + HOLD_S
-        if self._timer is None:
-            self._timer = loop.call_at(self.until, self._expire)
-
-    def wait(self, connection: UpstreamConnection) -> None:
-        """``connection`` has reads held: relay them in a coming turn (once in line)."""
-        if connection.queued:
-            return
-        connection.queued = True
-        if connection.watched:
-            self._watched.append(connection)
-        else:
-            self._waiting.append(connection)
-        if self._handle is None:
-            self._handle = asyncio.get_running_loop().call_soon(self._turn)
-
-    def _expire(self) -> None:
-        loop = asyncio.get_running_loop()
-        # Within half a clock tick of the end counts as the end: a re-arm rounded to 0 ms
-        # would turn the loop without sleeping until the tick.
-        if loop.time() + _CLOCK_RESOLUTION_S / 2 < self.until:
-            self._timer = loop.call_at(self.until, self._expire)
-        else:
-            self._timer = None
-            self.holding = self.busy = False
-
-    def close(self) -> None:
-        """The pool closed every connection (their held bytes are dropped): stop holding."""
-        for timer in (self._timer, self._handle):
-            if timer is not None:
-                timer.cancel()
-        self._timer = self._handle = None
-        self._waiting.clear()
-        self._watched.clear()
-        self.holding = self.busy = False
-
-    def _turn(self) -> None:
-        self._handle = None
-        busy, self.busy = self.busy, False
-        waiting = self._waiting
-        budget = self.per_busy_turn if busy else self.per_turn
-        while budget > 0 and (waiting or (self._watched and not busy)):
-            connection = waiting.popleft() if waiting else self._watched.popleft()
-            connection.queued = False
-            try:
-                relayed = connection.relay_held()
-            except Exception:
-                # A sidecar bug: that response is given up; the others go on.
-                log.exception("relaying held engine reads failed; closing that connection")
-                connection.close()
-                relayed = True
-            if relayed:  # a connection with nothing held (closed meanwhile) costs nothing
-                budget -= 1
-        if (waiting or self._watched) and self._handle is None:
-            self._handle = asyncio.get_running_loop().call_soon(self._turn)
+    def lost(self, connection: UpstreamConnection) -> None: ...
 
 
 class UpstreamConnection(asyncio.Protocol):
     """One keep-alive HTTP/1.1 connection to an engine, carrying one request at a time."""
 
-    def __init__(self, pool: UpstreamPool, origin: Origin) -> None:
+    def __init__(self, pool: Pool, origin: Origin) -> None:
         self.pool = pool
         self.origin = origin
         self.loop = asyncio.get_running_loop()
@@ -722,133 +618,3 @@ def _close_delimited(response: UpstreamResponse) -> bool:
     headers = response.headers
     return ("Content-Length" not in headers
             and not headers.get("Transfer-Encoding", "").lower().rstrip().endswith("chunked"))
-
-
-class UpstreamPool:
-    """Keep-alive connections to the engines of one config generation.
-
-    Idle connections are kept ``keepalive_timeout_s`` (below the engine's own idle timeout, so
-    the engine is rarely the one closing them) and reused most recent first;
-    ``max_connections`` (0: no limit) bounds connections in use and being opened: a request
-    over it waits for one to be released.
-    """
-
-    def __init__(self, settings: UpstreamSettings) -> None:
-        self.settings = settings
-        self._idle: dict[str, list[UpstreamConnection]] = {}
-        self._all: set[UpstreamConnection] = set()
-        self._in_use = 0
-        self._waiters: deque[asyncio.Future[None]] = deque()
-        self._tls: ssl.SSLContext | None = None
-        self.tasks = TaskSet()  # request bodies still being uploaded
-        self.reads = ReadPacer()
-
-    async def connection(self, origin: Origin, fresh: bool = False) -> UpstreamConnection:
-        """An idle connection to ``origin`` (unless ``fresh``) or a new one. Raises
-        :class:`UpstreamConnectError` or :class:`UpstreamConnectTimeout`."""
-        limit = self.settings.max_connections
-        while True:
-            # Looked at again after each wait: the slot released may be a connection gone
-            # back idle, to be reused rather than joined by a new one.
-            idle = None if fresh else self._idle.get(origin.host_field)
-            while idle:
-                connection = idle.pop()
-                connection.idle = False
-                if connection.keepalive is not None:
-                    connection.keepalive.cancel()
-                    connection.keepalive = None
-                if connection.open:
-                    connection.in_use = connection.reused = True
-                    self._in_use += 1
-                    return connection
-            if not limit or self._in_use < limit:
-                break
-            waiter = asyncio.get_running_loop().create_future()
-            self._waiters.append(waiter)
-            try:
-                await waiter
-            except BaseException:
-                if waiter.done() and not waiter.cancelled():
-                    self._wake()  # pass the slot on
-                raise
-        self._in_use += 1
-        try:
-            return await self._connect(origin)
-        except BaseException:
-            self._release()
-            raise
-
-    async def _connect(self, origin: Origin) -> UpstreamConnection:
-        loop = asyncio.get_running_loop()
-        timeout_s = self.settings.connect_timeout_s
-        tls = None
-        if origin.tls:
-            tls = self._tls = self._tls or ssl.create_default_context()
-        try:
-            async with asyncio.timeout(timeout_s):
-                _, protocol = await loop.create_connection(
-                    lambda: UpstreamConnection(self, origin), origin.host, origin.port, ssl=tls)
-        except TimeoutError as exc:
-            raise UpstreamConnectTimeout(
-                f"no connection to {origin} within {timeout_s}s") from exc
-        except OSError as exc:
-            raise UpstreamConnectError(f"cannot connect to {origin}: {exc}") from exc
-        connection = protocol
-        connection.in_use = True
-        self._all.add(connection)
-        return connection
-
-    def idle(self, connection: UpstreamConnection) -> None:
-        """A connection that finished a response with keep-alive."""
-        connection.in_use = False
-        connection.idle = True
-        self._release()
-        loop = connection.loop
-        connection.keepalive = loop.call_later(self.settings.keepalive_timeout_s,
-                                               connection.close)
-        self._idle.setdefault(connection.origin.host_field, []).append(connection)
-
-    def lost(self, connection: UpstreamConnection) -> None:
-        """``connection`` closed: forget it (and free its slot if it was in use)."""
-        if connection not in self._all:
-            return
-        self._all.discard(connection)
-        if connection.idle:
-            connection.idle = False
-            self._idle[connection.origin.host_field].remove(connection)
-        if connection.in_use:
-            connection.in_use = False
-            self._release()
-
-    def _release(self) -> None:
-        self._in_use -= 1
-        self._wake()
-
-    def _wake(self) -> None:
-        while self._waiters:
-            waiter = self._waiters.popleft()
-            if not waiter.done():
-                waiter.set_result(None)
-                return
-
-    async def close(self) -> None:
-        """Close every connection (at a generation's end, once no request uses it)."""
-        for connection in list(self._all):
-            connection.idle = False
-            connection.close()
-        self._idle.clear()
-        self.reads.close()
-        await self.tasks.drain(0)
-
-
-def request_head(method: str, target: str, origin: Origin, headers: CIMultiDict[str],
-                 framing: str | None) -> bytes:
-    """An HTTP/1.1 request head: ``Host`` first (as aiohttp's client sent it), the headers in
-    order, then ``framing`` (``Transfer-Encoding: chunked`` or ``Content-Length: 0``) if
-    given."""
-    lines = [f"{method} {target} HTTP/1.1\r\nHost: {origin.host_field}\r\n"]
-    lines.extend(f"{name}: {value}\r\n" for name, value in headers.items())
-    if framing is not None:
-        lines.append(framing + "\r\n")
-    lines.append("\r\n")
-    return "".join(lines).encode("utf-8", "surrogateescape")

@@ -22,7 +22,7 @@ from typing import Any
 
 from engine import EngineAdapter, build_adapters
 from sidecar.config import Settings
-from sidecar.relay import UpstreamPool
+from sidecar.pool import UpstreamPool
 from sidecar.route import Router
 from sidecar.tasks import TaskSet
 
@@ -43,7 +43,7 @@ CANCEL_WAIT_S = 5.0  # after the grace period: how long cancelled handlers may t
 @dataclass(eq=False)
 class Runtime:
     """One generation of config-derived state; ``pool`` holds its upstream connections
-    (:class:`sidecar.relay.UpstreamPool`)."""
+    (:class:`sidecar.pool.UpstreamPool`)."""
 
     generation: int
     settings: Settings

@@ -1,7 +1,7 @@
 """The upstream (engine) side of a hop: sending the request, the request body relay and the
 re-send after a stale pooled connection; the response itself is read by :mod:`sidecar.relay`.
 
-Pooling rules (:class:`sidecar.relay.UpstreamPool`): idle connections are kept
+Pooling rules (:class:`sidecar.pool.UpstreamPool`): idle connections are kept
 ``keepalive_timeout_s`` (below the engine's own idle timeout); a response cut short is closed,
 never put back; a request that fails on a connection closed or reset before any response byte
 arrived (a stale pooled one) is sent once more on a fresh connection if every body byte read so
@@ -42,15 +42,14 @@ from sidecar.errors import (
     UpstreamError,
     UpstreamFirstByteTimeout,
 )
+from sidecar.pool import UpstreamPool
 from sidecar.relay import (
     MAX_HEADER_BYTES,
     Origin,
     UpstreamConnection,
-    UpstreamPool,
     UpstreamResponse,
     chunk_frame,
     origin,
-    request_head,
 )
 from sidecar.route import RouteTarget
 
@@ -290,6 +289,19 @@ async def open_upstream(
         except TimeoutError as exc:
             raise UpstreamFirstByteTimeout(
                 f"no response from {engine} within {settings.first_byte_timeout_s}s") from exc
+
+
+def request_head(method: str, target: str, origin: Origin, headers: CIMultiDict[str],
+                 framing: str | None) -> bytes:
+    """An HTTP/1.1 request head: ``Host`` first (as aiohttp's client sent it), the headers in
+    order, then ``framing`` (``Transfer-Encoding: chunked`` or ``Content-Length: 0``) if
+    given."""
+    lines = [f"{method} {target} HTTP/1.1\r\nHost: {origin.host_field}\r\n"]
+    lines.extend(f"{name}: {value}\r\n" for name, value in headers.items())
+    if framing is not None:
+        lines.append(framing + "\r\n")
+    lines.append("\r\n")
+    return "".join(lines).encode("utf-8", "surrogateescape")
 
 
 async def _attempt(pool: UpstreamPool, engine: Origin, method: str, target: str,

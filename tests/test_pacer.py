@@ -1,5 +1,5 @@
 """The pacing of what follows lost connections (:class:`sidecar.downstream.TeardownPacer`), and
-of the engines' reads held meanwhile (:class:`sidecar.relay.ReadPacer`), turn by turn, on a
+of the engines' reads held meanwhile (:class:`sidecar.read_pacer.ReadPacer`), turn by turn, on a
 real uvloop event loop.
 
 A turn right after one in which connections were lost, or within ``hold_s`` of the last loss
@@ -18,7 +18,8 @@ from functools import partial
 from typing import Any, cast
 
 from sidecar.downstream import DownstreamHandler, TeardownPacer
-from sidecar.relay import HOLD_S, ReadPacer, UpstreamConnection
+from sidecar.read_pacer import HOLD_S, ReadPacer
+from sidecar.relay import UpstreamConnection
 
 
 class Handler:
@@ -140,7 +141,7 @@ async def test_a_failing_follow_up_does_not_stop_the_others() -> None:
     assert done == ["after"], f"expected the next follow-up to run, got {done}"
 
 
-# --- the engines' reads held while clients leave (sidecar.relay.ReadPacer) ----------------------
+# --- the engines' reads held while clients leave (sidecar.read_pacer.ReadPacer) -----------------
 
 class HeldReads:
     """Stands for an :class:`UpstreamConnection` with reads held: records their relay (or

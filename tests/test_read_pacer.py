@@ -1,4 +1,4 @@
-"""Engine reads held while clients leave (:class:`sidecar.relay.ReadPacer`), on real sockets.
+"""Engine reads held while clients leave (:class:`sidecar.read_pacer.ReadPacer`), on real sockets.
 
 While a client that left has its abort queued, the pool's reads are held and relayed a few per
 loop turn, so that the next lost connections' aborts are queued first. What must not change:
@@ -21,7 +21,9 @@ from collections.abc import AsyncIterator
 import pytest
 
 from sidecar.config import UpstreamSettings
-from sidecar.relay import HOLD_S, Downstream, UpstreamPool, origin
+from sidecar.pool import UpstreamPool
+from sidecar.read_pacer import HOLD_S
+from sidecar.relay import Downstream, origin
 
 pytestmark = pytest.mark.timeout(30)
 

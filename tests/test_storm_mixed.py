@@ -216,7 +216,7 @@ async def storm(vllm: VLLMEngine, openai: OpenAIEngine, servers: Servers, stalls
         assert status == 200 and data.startswith(b"data: {"), (
             f"expected a stream for {plan.marker}, got {status}: {data[:80]!r}")
         # Byte for byte what the engine wrote, though its reads were held during the storm
-        # (sidecar.relay.ReadPacer): the engine names the stream in each event.
+        # (sidecar.read_pacer.ReadPacer): the engine names the stream in each event.
         ident = json.loads(data.split(b"\n", 1)[0][len(b"data: "):])["id"]
         assert data == stream_bytes(ident, COMPLETING_TOKENS), (
             f"expected the whole stream of {plan.marker} unchanged, got {len(data)} bytes "

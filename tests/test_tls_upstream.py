@@ -2,7 +2,7 @@
 
 Both of the sidecar's connections to the engine speak TLS then:
 
-- the relay's (:mod:`sidecar.relay`, ``UpstreamPool._connect``);
+- the relay's (:mod:`sidecar.pool`, ``UpstreamPool._connect``);
 - the abort wire's (:mod:`sidecar.abort_wire`).
 
 Both verify the engine's certificate with ``ssl.create_default_context()``: the system's trust
