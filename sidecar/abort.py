@@ -524,7 +524,7 @@ class Aborter:
         while queue.resends and queue.resends[0][0] <= now + RESEND_COALESCE_S:
             _, _, resend = heapq.heappop(queue.resends)
             if resend.confirmation is not None and not resend.stopped:
-                # The engine's answer may be read and held (sidecar.relay.ReadPacer: while
+                # The engine's answer may be read and held (sidecar.read_pacer.ReadPacer: while
                 # clients leave, engine reads wait so that aborts go first). While clients
                 # still leave, the re-send waits for the pacer to relay it (reading hundreds
                 # of ends here, in one step, would delay noticing the next clients' loss);

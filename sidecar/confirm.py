@@ -108,13 +108,13 @@ class Confirmation:
 
     @property
     def held(self) -> bool:
-        """True while what the engine sent waits in :class:`sidecar.relay.ReadPacer` because
+        """True while what the engine sent waits in :class:`sidecar.read_pacer.ReadPacer` because
         clients are still leaving (:meth:`read_held` would do now what the pacer does soon)."""
         return self.open and self.response.connection.reads_held
 
     def read_held(self) -> None:
         """Parse what the engine sent that the relay holds back while clients leave
-        (:class:`sidecar.relay.ReadPacer`), before deciding to re-send: it may be the end."""
+        (:class:`sidecar.read_pacer.ReadPacer`), before deciding to re-send: it may be the end."""
         if self.open:
             self.response.connection.relay_held()
 
