@@ -151,8 +151,9 @@ class WorkerCanceller:
         return session
 
     async def _ask(self, pid: int, path: Path, url: URL) -> dict[str, Any] | str | None:
-        """One worker's answer: its 200 body (found), ``None`` (its 404), or why it could not
-        be asked (refused, reset, no answer within ``WORKER_ANSWER_S``, another status)."""
+        """One worker's answer: its 200 body (found), ``None`` (its 404, or a control socket
+        not bound yet: a worker starting has taken no request), or why it could not be asked
+        (refused, reset, no answer within ``WORKER_ANSWER_S``, another status)."""
         try:
             async with self._session(path).post(url) as response:
                 if response.status == 404:
@@ -162,6 +163,12 @@ class WorkerCanceller:
                 found = await response.json()
         except TimeoutError:
             return f"worker {pid}: no answer within {WORKER_ANSWER_S:.1f} s"
+        except aiohttp.ClientConnectorError as exc:
+            if isinstance(exc.os_error, FileNotFoundError):
+                # Not bound yet: a worker binds its control socket before its proxy listener
+                # (sidecar.server.start), so one still starting has taken no request.
+                return None
+            return f"worker {pid}: {str(exc) or type(exc).__name__}"
         except (aiohttp.ClientError, ValueError) as exc:  # ValueError: a 200 that is not JSON
             return f"worker {pid}: {str(exc) or type(exc).__name__}"
         if not isinstance(found, dict):

@@ -264,6 +264,14 @@ async def start(settings: Settings, registry: CollectorRegistry | None = None, *
                              access_log=None, shutdown_timeout=SHUTDOWN_TIMEOUT_S,
                              keepalive_timeout=idle_s)
     await proxy.setup()
+    # A worker's control socket is bound before its proxy listener: while the socket does not
+    # exist the worker has taken no request (the supervisor's cancel API counts on it).
+    control_runner = None
+    if control is not None:
+        control_runner = DownstreamRunner(make_control_app(app[EXCHANGES]), access_log=None,
+                                          shutdown_timeout=1.0, keepalive_timeout=CONTROL_IDLE_S)
+        await control_runner.setup()
+        await web.UnixSite(control_runner, control).start()
     await web.TCPSite(proxy, settings.listen.host,
                       settings.listen.port if port is None else port,
                       backlog=4096, reuse_port=reuse_port or None).start()
@@ -277,12 +285,6 @@ async def start(settings: Settings, registry: CollectorRegistry | None = None, *
         await admin_runner.setup()
         await web.TCPSite(admin_runner, settings.admin.host, settings.admin.port).start()
         admin_port = _bound_port(admin_runner)
-    control_runner = None
-    if control is not None:
-        control_runner = DownstreamRunner(make_control_app(app[EXCHANGES]), access_log=None,
-                                          shutdown_timeout=1.0, keepalive_timeout=CONTROL_IDLE_S)
-        await control_runner.setup()
-        await web.UnixSite(control_runner, control).start()
     tune_gc()
     log.info("proxy listening on %s:%d, admin on %s", settings.listen.host, proxy_port,
              f"{settings.admin.host}:{admin_port}" if admin_runner and settings.admin

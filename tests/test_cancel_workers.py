@@ -323,14 +323,24 @@ async def test_a_killed_worker_s_ids_are_answered_from_its_record(
         victim = workers[0]
         victim.kill()
         await asyncio.to_thread(victim.wait, WAIT_S)
+        unknowns: list[tuple[int, dict[str, Any]]] = []
         if record:
-            await cli.wait_log("starting a replacement", WAIT_S)
+            # Asked again and again while the replacement starts: a worker whose control socket
+            # is not bound yet has taken no request, so the answer stays 404.
+            after = await cli.wait_log("starting a replacement", WAIT_S)
+            while len(unknowns) < 5000:
+                unknowns.append(await cancel(admin, cli.admin_port, "0" * 32))
+                if any("replaces worker" in line for line in cli.stderr_lines[after:]):
+                    break
         unknown = await cancel(admin, cli.admin_port, "0" * 32)
         answers = [await cancel(admin, cli.admin_port, rid) for _, _, rid in streams]
     found = [a for a in answers if a[0] == 200 and not a[1].get("worker_died")]
     assert found, answers
     if record:
         assert unknown[0] == 404, unknown
+        assert all(a[0] == 404 for a in unknowns), (
+            f"an id no worker has, asked {len(unknowns)} times while the replacement started: "
+            f"{[a for a in unknowns if a[0] != 404][:3]}")
         died = [a for a in answers if a[0] == 200 and a[1].get("worker_died")]
         assert len(died) == held[victim.pid] and len(found) + len(died) == len(answers), (
             held, answers)
