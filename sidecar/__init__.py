@@ -20,7 +20,8 @@ Data flow for one request (modules named after the nouns)::
 
 An upgrade request (``Connection: Upgrade``: a WebSocket such as vLLM's ``/v1/realtime``) leaves
 that flow after the route: ``tunnel.py`` relays the engine's ``101`` and then splices the two
-sockets byte for byte; either side's close or reset closes the other at once, never an abort.
+sockets byte for byte; either side's close or reset closes the other at once, never an abort
+(``tunnel_wire.py``: the engine's connection and its head's parser, the client's side).
 
 What the sidecar writes to a client itself (its JSON errors and refusals, the end of a request it
 cancels or times out) is built in ``replies.py``; the header names it reads and writes, and the

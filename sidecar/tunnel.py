@@ -3,37 +3,23 @@ relayed as a byte tunnel.
 
 Flow for one upgrade request (``GET``, HTTP/1.1, no body; :func:`wants_tunnel`)::
 
-    client head ──► raw TCP connection to the engine (loop.create_connection, this module's
-                    _EngineSide protocol), the head re-written with Upgrade + Connection: Upgrade
-                    kept (headers.upgrade_request_headers), X-Request-Id = the sidecar id
+    client head ──► raw TCP connection to the engine (loop.create_connection, the
+                    tunnel_wire.EngineSide protocol), the head re-written with Upgrade +
+                    Connection: Upgrade kept (headers.upgrade_request_headers), X-Request-Id =
+                    the sidecar id
     engine head ◄── parsed with httptools (llhttp): 101 -> its bytes go to the client verbatim,
                     then the two sockets are spliced: every byte either way, untouched (frames,
                     masks, subprotocols, permessage-deflate: nothing is re-framed)
                     non-101 -> relayed as any response (headers.downstream_response_headers)
     either side ends ──► the other is ended at once: FIN -> close (after flushing), reset -> reset
 
-Where aiohttp hands over (aiohttp 3.14, ``web_protocol.RequestHandler``). The tunnel keeps the
-handler task running for the session's life and uses the takeover ``web_ws.WebSocketResponse``
-uses (``_post_start``): ``request.protocol.set_parser(parser)`` then
-``request.protocol.keep_alive(False)``. ``set_parser`` is the public hook for "the rest of this
-connection is another protocol": from then on ``data_received`` feeds every byte to the parser's
-``feed_data`` (and it first feeds the bytes aiohttp buffered past the request head,
-``_message_tail``), and ``connection_lost`` calls its ``feed_eof``. aiohttp keeps owning the
-transport and the connection's bookkeeping (the server's connection list, handler cancellation,
-graceful shutdown), so nothing else has to be re-implemented or patched. Rejected: replacing the
-protocol with ``transport.set_protocol`` (aiohttp then never hears ``connection_lost``: its
-server leaks the connection, its handler is never cancelled), and writing the ``101`` through
-``StreamResponse.prepare`` (it adds ``Date``/``Server`` when absent: the engine's head is relayed
-as its bytes instead, and :class:`SwitchedResponse` tells aiohttp it is already sent).
-``set_parser`` alone cannot tell a client's FIN from its reset (``connection_lost``'s exception
-is not passed on for a bodiless request): :class:`sidecar.downstream.DownstreamHandler` records
-it as ``lost_with``. aiohttp's parser switches to "upgraded" (bytes after the head are not HTTP)
-only for ``Upgrade: websocket`` or ``tcp``; for another token, bytes a client sends before the
-``101`` arrives are parsed as HTTP (clients wait for the ``101``, as RFC 9110 section 7.8 asks).
+The two sides on the wire (the engine's connection and its head's parser, the parser aiohttp
+hands the client's bytes to, the response that tells aiohttp the ``101`` is sent, a side's FIN
+or reset) and where aiohttp hands the client's connection over: :mod:`sidecar.tunnel_wire`.
 
 Backpressure, both ways, no copies queued: client -> engine bytes are written to the engine's
 transport as they arrive; when its buffer passes ``downstream.write_buffer_bytes`` asyncio calls
-``_EngineSide.pause_writing`` and the client's transport stops being read until
+``EngineSide.pause_writing`` and the client's transport stops being read until
 ``resume_writing``. Engine -> client: written to the client's transport (same high-water mark);
 when aiohttp's protocol reports ``writing_paused`` the engine's transport stops being read and
 the handler task awaits ``request.writer.drain()`` before reading it again.
@@ -57,22 +43,16 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import socket
 import ssl
-import struct
 import time
-from collections import deque
-from typing import cast
 
-import httptools
 from aiohttp import HttpVersion11, web
-from multidict import CIMultiDict, CIMultiDictProxy
+from multidict import CIMultiDictProxy
 
 from sidecar.config import MAX_SECONDS
 from sidecar.errors import (
     UpstreamConnectError,
     UpstreamConnectTimeout,
-    UpstreamDisconnected,
     UpstreamError,
     UpstreamFirstByteTimeout,
     UpstreamProtocolError,
@@ -91,14 +71,19 @@ from sidecar.replies import gone_client, upstream_error
 from sidecar.route import RouteTarget
 from sidecar.runtime import Runtime
 from sidecar.ticket import Ticket
-from sidecar.upstream import MAX_HEADER_BYTES, READ_BUFFER_BYTES
+from sidecar.tunnel_wire import (
+    ClientSide,
+    EngineSide,
+    SwitchedResponse,
+    close_transport,
+    reset_transport,
+)
+from sidecar.upstream import READ_BUFFER_BYTES
 
 log = logging.getLogger(__name__)
 
 CLIENT, ENGINE, SIDECAR = "client", "engine", "sidecar"  # closed_by
 FIN, RESET = "fin", "reset"  # how a side ended it; the sidecar's reasons: the metric's help
-FLUSH_S = 5.0  # after a FIN-close, how long unsent bytes may wait for a reader, then a reset
-_LINGER_RESET = struct.pack("ii", 1, 0)  # SO_LINGER on, 0 s: close() sends RST
 
 
 def wants_tunnel(request: web.BaseRequest) -> bool:
@@ -110,196 +95,6 @@ def wants_tunnel(request: web.BaseRequest) -> bool:
             and is_upgrade(request.headers))
 
 
-def _reset(transport: asyncio.Transport) -> None:
-    """Close ``transport`` with a TCP reset (unsent bytes dropped); nothing if it is already
-    closing (its socket may be gone)."""
-    if transport.is_closing():
-        return
-    sock = transport.get_extra_info("socket")
-    if sock is not None:
-        try:
-            sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, _LINGER_RESET)
-        except OSError:
-            pass  # already closed underneath: abort() below is all there is to do
-    transport.abort()
-
-
-def _close(transport: asyncio.Transport) -> None:
-    """Close ``transport`` with a FIN once its unsent bytes are written; a reader that takes
-    more than ``FLUSH_S`` seconds for them gets a reset instead (no fd waits on it forever)."""
-    if transport.is_closing():
-        return
-    transport.close()
-    if transport.get_write_buffer_size():
-        asyncio.get_running_loop().call_later(FLUSH_S, transport.abort)
-
-
-class SwitchedResponse(web.StreamResponse):
-    """What the handler returns for a relayed ``101``: its head was written verbatim by the
-    tunnel and the connection is no longer HTTP, so aiohttp's ``prepare``/``write_eof`` (which
-    ``RequestHandler.finish_response`` calls after the handler) write nothing."""
-
-    def __init__(self) -> None:
-        super().__init__(status=101)
-        self.force_close()
-
-    async def prepare(self, request: web.BaseRequest) -> None:
-        return None
-
-    async def write_eof(self, data: bytes = b"") -> None:
-        return None
-
-
-class _ClientSide:
-    """The parser handed to aiohttp's ``RequestHandler.set_parser``: every client byte after
-    the request head goes to the tunnel; ``feed_eof`` is the client connection lost."""
-
-    def __init__(self, tunnel: Tunnel) -> None:
-        self._tunnel = tunnel
-
-    def feed_data(self, data: bytes) -> tuple[bool, bytes]:
-        self._tunnel.from_client(data)
-        return False, b""  # never "end of message": aiohttp would close the connection
-
-    def feed_eof(self) -> None:
-        self._tunnel.client_lost()
-
-
-class _EngineSide(asyncio.Protocol):
-    """The raw connection to the engine: the response head parsed with httptools, then (after
-    a ``101``) every byte handed to the tunnel."""
-
-    def __init__(self, tunnel: Tunnel) -> None:
-        self.tunnel = tunnel
-        self.transport: asyncio.Transport | None = None
-        self.parser = httptools.HttpResponseParser(self)
-        self.head = bytearray()  # the response head's bytes so far (and what followed them)
-        self.headers: CIMultiDict[str] = CIMultiDict()
-        self.headers_done = False
-        self.message_done = False
-        self.status = 0
-        self.reason = ""
-        self.ready: asyncio.Future[bytes] = asyncio.get_running_loop().create_future()
-        self.body: deque[bytes] = deque()  # a refused upgrade's body, not yet relayed
-        self.body_bytes = 0
-        self.body_event = asyncio.Event()
-        self.upgraded = False  # a 101's head was read: what follows is the new protocol
-        self.lost = False
-        self.lost_with: BaseException | None = None
-
-    # -- httptools callbacks (the head and a refused upgrade's body) -----------------------------
-
-    def on_status(self, status: bytes) -> None:
-        self.reason += status.decode("latin-1")
-
-    def on_header(self, name: bytes, value: bytes) -> None:
-        self.headers.add(name.decode("latin-1"), value.decode("latin-1"))
-
-    def on_headers_complete(self) -> None:
-        self.headers_done = True
-        self.status = self.parser.get_status_code()
-
-    def on_body(self, body: bytes) -> None:
-        self.body.append(body)
-        self.body_bytes += len(body)
-        self.body_event.set()
-        if self.body_bytes > READ_BUFFER_BYTES and self.transport is not None:
-            self.transport.pause_reading()  # resumed as the handler relays it
-
-    def on_message_complete(self) -> None:
-        self.message_done = True
-        self.body_event.set()
-
-    # -- asyncio.Protocol ------------------------------------------------------------------------
-
-    def connection_made(self, transport: asyncio.BaseTransport) -> None:
-        self.transport = cast(asyncio.Transport, transport)  # uvloop's is not a subclass
-        sock = self.transport.get_extra_info("socket")
-        if sock is not None and sock.family in (socket.AF_INET, socket.AF_INET6):
-            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-        self.transport.set_write_buffer_limits(
-            high=self.tunnel.runtime.settings.downstream.write_buffer_bytes)
-
-    def data_received(self, data: bytes) -> None:
-        if self.tunnel.switched:
-            self.tunnel.from_engine(data)
-        elif self.upgraded:  # after the 101's head, before the relay starts: keep it
-            self.tunnel.early += data
-        elif not self.message_done:
-            self._parse(data)
-
-    def _parse(self, data: bytes) -> None:
-        """Feed the response head (and a refused upgrade's body) to llhttp, which refuses
-        control characters and bare LFs in a head. Refused (-> 502): a malformed head, one
-        over ``MAX_HEADER_BYTES``, an interim 1xx other than 101."""
-        if not self.headers_done:
-            self.head += data
-        try:
-            self.parser.feed_data(data)
-        except httptools.HttpParserUpgrade as exc:
-            # llhttp stops at the end of a 101's head: the rest of ``data`` is the new protocol.
-            end = len(self.head) - len(data) + int(exc.args[0])
-            self._switch(end)
-            return
-        except httptools.HttpParserError as exc:
-            if self.headers_done and self.status == 101:
-                # A 101 without "Connection: upgrade": llhttp refuses to go on, but the engine
-                # switched all the same; its head ends at the first empty line.
-                end = self.head.find(b"\r\n\r\n")
-                if end >= 0:
-                    self._switch(end + 4)
-                    return
-            self._fail(UpstreamProtocolError(f"malformed response head: {exc}"))
-            return
-        if not self.headers_done:
-            if len(self.head) > MAX_HEADER_BYTES:
-                self._fail(UpstreamProtocolError(
-                    f"response head over {MAX_HEADER_BYTES} bytes"))
-        elif self.head and self.head.find(b"\r\n\r\n") + 4 > MAX_HEADER_BYTES:
-            self._fail(UpstreamProtocolError(f"response head over {MAX_HEADER_BYTES} bytes"))
-        elif self.status == 101:  # the upgrade exception comes with the head's last byte
-            self._fail(UpstreamProtocolError("101 response head did not end as one"))
-        elif self.status < 200:
-            self._fail(UpstreamProtocolError(f"interim response {self.status} to an upgrade"))
-        elif not self.ready.done():
-            self.head.clear()
-            self.ready.set_result(b"")  # a refused upgrade: the caller reads headers and body
-
-    def _switch(self, end: int) -> None:
-        if self.ready.done():
-            return
-        if end > MAX_HEADER_BYTES:
-            self._fail(UpstreamProtocolError(f"response head over {MAX_HEADER_BYTES} bytes"))
-            return
-        head, tail = bytes(self.head[:end]), bytes(self.head[end:])
-        self.head.clear()
-        self.upgraded = True
-        self.tunnel.early = tail
-        self.ready.set_result(head)
-
-    def _fail(self, exc: UpstreamError) -> None:
-        if not self.ready.done():
-            self.ready.set_exception(exc)
-        if self.transport is not None:
-            self.transport.abort()
-
-    def pause_writing(self) -> None:
-        self.tunnel.pause_client()
-
-    def resume_writing(self) -> None:
-        self.tunnel.resume_client()
-
-    def eof_received(self) -> bool:
-        self.tunnel.engine_lost(None)
-        return False  # the transport closes itself
-
-    def connection_lost(self, exc: Exception | None) -> None:
-        self.lost, self.lost_with = True, exc
-        self.body_event.set()
-        if not self.ready.done():
-            self.ready.set_exception(UpstreamDisconnected(
-                f"closed the connection before a complete response head ({exc})"))
-        self.tunnel.engine_lost(exc)
 
 
 class Tunnel(Ticket):
@@ -311,7 +106,7 @@ class Tunnel(Ticket):
         super().__init__(request, runtime, target, target_path, metrics)
         self.loop = asyncio.get_running_loop()
         self.upgrade = request.headers.get("Upgrade", "")[:40]
-        self.engine: _EngineSide | None = None
+        self.engine: EngineSide | None = None
         self.switched = False
         self.switched_at = 0.0
         self.early = b""  # engine bytes that came with the 101's head
@@ -367,7 +162,7 @@ class Tunnel(Ticket):
             engine = self.engine
             if engine is not None and engine.transport is not None and not self.switched:
                 # A refusal relayed whole: FIN; cut short, or a failed handshake: reset.
-                (_close if engine.message_done else _reset)(engine.transport)
+                (close_transport if engine.message_done else reset_transport)(engine.transport)
             gone = self.closed_by == CLIENT or status_class == "disconnected"
             if self.switched:
                 self._count_session()
@@ -395,7 +190,8 @@ class Tunnel(Ticket):
         try:
             async with asyncio.timeout(settings.connect_timeout_s):
                 _, self.engine = await self.loop.create_connection(
-                    lambda: _EngineSide(self), host, int(port_text),
+                    lambda: EngineSide(self, self.runtime.settings.downstream.write_buffer_bytes),
+                    host, int(port_text),
                     ssl=ssl.create_default_context() if scheme == "https" else None)
         except TimeoutError as exc:
             raise UpstreamConnectTimeout(
@@ -493,8 +289,8 @@ class Tunnel(Ticket):
         log.info("request %s: switched to %r", self.id, self.upgrade)
         protocol = request.protocol
         protocol.keep_alive(False)
-        # Feeds what aiohttp already read past the head, then every byte (module docstring).
-        protocol.set_parser(_ClientSide(self))  # type: ignore[arg-type]
+        # Feeds what aiohttp already read past the head, then every byte (sidecar.tunnel_wire).
+        protocol.set_parser(ClientSide(self))  # type: ignore[arg-type]
         if self.early:
             self.from_engine(self.early)
             self.early = b""
@@ -599,9 +395,9 @@ class Tunnel(Ticket):
         engine = self.engine.transport if self.engine is not None else None
         client = self.request.transport
         if by != ENGINE and engine is not None and not engine.is_closing():
-            (_reset if reason == RESET else _close)(engine)
+            (reset_transport if reason == RESET else close_transport)(engine)
         if by != CLIENT and client is not None and not client.is_closing():
-            (_reset if reason == RESET else _close)(client)
+            (reset_transport if reason == RESET else close_transport)(client)
         if self.switched:
             log.info("request %s: tunnel closed by %s (%s) after %.3f s; %d bytes to the "
                      "engine, %d to the client", self.id, by, reason,
