@@ -109,6 +109,11 @@ class Exchange(Ticket):
     deadline, an upstream fault), which closes the upstream and queues the abort
     (:mod:`sidecar.plan` says what to abort). Its id, access line and counts: :class:`Ticket`."""
 
+    __slots__ = ("_bytes_sent", "_plan", "_planned", "aborter", "aborting", "body",
+                 "confirmation", "downstream", "ending", "noticed_at", "phase", "prepared",
+                 "prepared_phase", "record", "record_seq", "response", "sending", "sent_at",
+                 "status_sent", "stop_recorded", "task", "upstream", "upstream_finished")
+
     def __init__(self, request: web.Request, runtime: Runtime, target: RouteTarget,
                  aborter: Aborter, metrics: Metrics, target_path: str,
                  record: InflightRecord | None = None) -> None:

@@ -101,6 +101,10 @@ class Tunnel(Ticket):
     """One upgrade request: the handshake, then the relay until either side ends it. Its id,
     access line and counts: :class:`Ticket`."""
 
+    __slots__ = ("_deadline", "_down_bytes", "_idle", "_up_bytes", "client_blocked",
+                 "close_reason", "closed_by", "early", "engine", "last_io", "loop", "switched",
+                 "switched_at", "to_client", "to_engine", "upgrade", "wake")
+
     def __init__(self, request: web.Request, runtime: Runtime, target: RouteTarget,
                  target_path: str, metrics: Metrics) -> None:
         super().__init__(request, runtime, target, target_path, metrics)
