@@ -130,14 +130,17 @@ def local_canceller(exchanges: dict[str, Exchange]) -> Canceller:
 class WorkerCanceller:
     """The supervisor's :data:`Canceller`: asks every live worker's control listener at once.
 
-    ``workers()`` gives ``(pid, control socket path)`` of the workers still running. One
-    keep-alive client session per socket, made on first use; :meth:`close` closes them.
+    ``workers()`` gives ``(pid, control socket path)`` of the workers still running;
+    ``starting(pid)`` is True for one that has not said it listens yet. One keep-alive client
+    session per socket, made on first use; :meth:`close` closes them.
     """
 
     def __init__(self, workers: Callable[[], Sequence[tuple[int, Path]]],
-                 orphaned: Callable[[str], bool] = lambda _: False) -> None:
+                 orphaned: Callable[[str], bool] = lambda _: False,
+                 starting: Callable[[int], bool] = lambda _: False) -> None:
         self._workers = workers
         self._orphaned = orphaned
+        self._starting = starting
         self._sessions: dict[Path, aiohttp.ClientSession] = {}
 
     def _session(self, path: Path) -> aiohttp.ClientSession:
@@ -151,9 +154,11 @@ class WorkerCanceller:
         return session
 
     async def _ask(self, pid: int, path: Path, url: URL) -> dict[str, Any] | str | None:
-        """One worker's answer: its 200 body (found), ``None`` (its 404, or a control socket
-        not bound yet: a worker starting has taken no request), or why it could not be asked
-        (refused, reset, no answer within ``WORKER_ANSWER_S``, another status)."""
+        """One worker's answer: its 200 body (found), ``None`` (its 404, or a worker still
+        starting whose control socket does not listen yet: it has taken no request), or why it
+        could not be asked (refused, reset, no answer within ``WORKER_ANSWER_S``, another
+        status)."""
+        starting = self._starting(pid)
         try:
             async with self._session(path).post(url) as response:
                 if response.status == 404:
@@ -164,8 +169,9 @@ class WorkerCanceller:
         except TimeoutError:
             return f"worker {pid}: no answer within {WORKER_ANSWER_S:.1f} s"
         except aiohttp.ClientConnectorError as exc:
-            if isinstance(exc.os_error, FileNotFoundError):
-                # Not bound yet: a worker binds its control socket before its proxy listener
+            if starting and isinstance(exc.os_error, (FileNotFoundError, ConnectionRefusedError)):
+                # Not listening yet (no socket file, or bound and not yet listening): a worker
+                # listens on its control socket before its proxy listener opens
                 # (sidecar.server.start), so one still starting has taken no request.
                 return None
             return f"worker {pid}: {str(exc) or type(exc).__name__}"

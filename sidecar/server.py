@@ -264,8 +264,9 @@ async def start(settings: Settings, registry: CollectorRegistry | None = None, *
                              access_log=None, shutdown_timeout=SHUTDOWN_TIMEOUT_S,
                              keepalive_timeout=idle_s)
     await proxy.setup()
-    # A worker's control socket is bound before its proxy listener: while the socket does not
-    # exist the worker has taken no request (the supervisor's cancel API counts on it).
+    # A worker listens on its control socket before its proxy listener opens: while the control
+    # socket does not listen yet the worker has taken no request (the supervisor's cancel API
+    # counts on it: sidecar.cancel.WorkerCanceller).
     control_runner = None
     if control is not None:
         control_runner = DownstreamRunner(make_control_app(app[EXCHANGES]), access_log=None,

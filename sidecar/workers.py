@@ -151,6 +151,7 @@ class Supervisor:
         # for them, sidecar.cancel), and the sidecar ids of those requests -> time.monotonic()
         # of the death, kept DEAD_WORKER_S.
         self.read_records: set[int] = set()
+        self.ready_pids: set[int] = set()  # workers that printed their ready line
         self.orphans: dict[str, float] = {}
         self.aborter: Aborter | None = None
         self.runtimes: Runtimes | None = None
@@ -305,6 +306,7 @@ class Supervisor:
             log.error("worker %d did not start (printed %r, exit status %s)", proc.pid,
                       line, proc.returncode)
             return False
+        self.ready_pids.add(proc.pid)
         self.tasks.spawn(self._relay_stdout(proc), name=f"stdout of worker {proc.pid}")
         return True
 
@@ -322,7 +324,8 @@ class Supervisor:
         multiprocess.MultiProcessCollector(  # type: ignore[no-untyped-call]
             registry, path=str(self.metrics_dir))
         registry.register(_Replacements(self))
-        canceller = WorkerCanceller(self._live_controls, self._orphaned)
+        canceller = WorkerCanceller(self._live_controls, self._orphaned,
+                                    lambda pid: pid not in self.ready_pids)
         app = make_admin_app(runtimes, registry, canceller)
 
         async def close_canceller(_: web.Application) -> None:
