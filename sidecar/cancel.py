@@ -168,14 +168,13 @@ class WorkerCanceller:
                 found = await response.json()
         except TimeoutError:
             return f"worker {pid}: no answer within {WORKER_ANSWER_S:.1f} s"
-        except aiohttp.ClientConnectorError as exc:
-            if starting and isinstance(exc.os_error, (FileNotFoundError, ConnectionRefusedError)):
+        except (aiohttp.ClientError, ValueError) as exc:  # ValueError: a 200 that is not JSON
+            if (starting and isinstance(exc, aiohttp.ClientConnectorError)
+                    and isinstance(exc.os_error, (FileNotFoundError, ConnectionRefusedError))):
                 # Not listening yet (no socket file, or bound and not yet listening): a worker
                 # listens on its control socket before its proxy listener opens
                 # (sidecar.server.start), so one still starting has taken no request.
                 return None
-            return f"worker {pid}: {str(exc) or type(exc).__name__}"
-        except (aiohttp.ClientError, ValueError) as exc:  # ValueError: a 200 that is not JSON
             return f"worker {pid}: {str(exc) or type(exc).__name__}"
         if not isinstance(found, dict):
             return f"worker {pid} answered 200 without a JSON object"
