@@ -109,7 +109,8 @@ class Confirmation:
     @property
     def held(self) -> bool:
         """True while what the engine sent waits in :class:`sidecar.read_pacer.ReadPacer` because
-        clients are still leaving (:meth:`read_held` would do now what the pacer does soon)."""
+        clients are still leaving: held (:meth:`read_held` would do now what the pacer does
+        soon) or not read at all yet (parked: :meth:`~sidecar.read_pacer.ReadPacer.park`)."""
         return self.open and self.response.connection.reads_held
 
     def read_held(self) -> None:

@@ -303,7 +303,10 @@ class UpstreamResponse:
         if self.complete or self.failure is not None:
             watcher.ended()
             return
-        self.connection.resume_reading()
+        # Unread while clients leave (ReadPacer.park: the aborts go first), else read now (a
+        # slow client may have paused it).
+        if not self.connection.pool.reads.park(self.connection):
+            self.connection.resume_reading()
 
     def client_lost(self, piece: bytes) -> None:
         """A write found the client gone before the proxy knew: ``piece`` is kept (a watcher
@@ -389,6 +392,8 @@ class UpstreamConnection(asyncio.Protocol):
         self._held: list[bytes] | None = None  # reads kept while clients leave (ReadPacer)
         self.held_bytes = 0  # their size: at most MAX_HELD_BYTES plus one read
         self.queued = False  # in the ReadPacer's line
+        self.parked = False  # reading paused by the ReadPacer until clients stop leaving
+        self.unparked_at = -1.0  # loop time at which the ReadPacer last resumed its reading
 
     # asyncio.Protocol
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
@@ -419,8 +424,10 @@ class UpstreamConnection(asyncio.Protocol):
     @property
     def reads_held(self) -> bool:
         """True while engine reads of this connection wait in :class:`ReadPacer` because
-        clients are still leaving."""
-        return self._held is not None and self.pool.reads.holding
+        clients are still leaving: held, parked (unread), or resumed in this loop tick (what
+        the engine sent is read in the coming poll)."""
+        return (self.parked or self.unparked_at == self.loop.time()
+                or (self._held is not None and self.pool.reads.holding))
 
     def relay_held(self) -> bool:
         """Relay the reads :class:`ReadPacer` held, as one piece; False if none were held (or

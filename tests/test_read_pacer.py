@@ -21,9 +21,10 @@ from collections.abc import AsyncIterator
 import pytest
 
 from sidecar.config import UpstreamSettings
+from sidecar.confirm import CONFIRMED, Confirmation
 from sidecar.pool import UpstreamPool
-from sidecar.read_pacer import HOLD_S
-from sidecar.relay import Downstream, origin
+from sidecar.read_pacer import HOLD_S, MAX_PARK_S
+from sidecar.relay import Downstream, UpstreamConnection, origin
 
 pytestmark = pytest.mark.timeout(30)
 
@@ -209,3 +210,80 @@ async def test_bytes_on_an_idle_connection_are_never_held_for_the_next_request()
         engine.close()
         await engine.wait_closed()
         await asyncio.sleep(2 * HOLD_S)
+
+
+ABORTED_END = chunked([b'data: {"choices":[{"index":0,"finish_reason":"abort"}]}\n\n',
+                       b"data: [DONE]\n\n"])
+
+
+@contextlib.asynccontextmanager
+async def watched_while_holding() -> AsyncIterator[tuple[UpstreamPool, UpstreamConnection,
+                                                         Confirmation, asyncio.Future[str]]]:
+    """One stream whose client left while clients leave: its response handed to a
+    :class:`Confirmation` while the pool holds reads; the engine then sends its aborted end.
+    Yields the pool, the connection, the confirmation and its verdict."""
+    head = (b"HTTP/1.1 200 OK\r\nContent-Type: text/event-stream\r\n"
+            b"Transfer-Encoding: chunked\r\n\r\n")
+    engine = Engine([head, *ABORTED_END], close=False)
+    await engine.start()
+    pool = UpstreamPool(UpstreamSettings())
+    try:
+        async with asyncio.timeout(GUARD_S):
+            yield await _watched(pool, engine)
+    finally:
+        await pool.close()
+        assert engine.server is not None
+        engine.server.close()
+        await engine.server.wait_closed()
+        await asyncio.sleep(2 * HOLD_S)
+
+
+async def _watched(pool: UpstreamPool, engine: Engine) -> tuple[
+        UpstreamPool, UpstreamConnection, Confirmation, asyncio.Future[str]]:
+    connection = await pool.connection(origin(engine.url))
+    response = connection.send(HEAD, [], head_only=False)
+    await response.head
+    verdict: asyncio.Future[str] = asyncio.get_running_loop().create_future()
+    confirmation = Confirmation(response)
+    confirmation.arm(verdict.set_result)
+    pool.reads.hold()  # the client left: its abort is queued (proxy.Exchange._abort_now)
+    response.watch(confirmation)
+    return pool, connection, confirmation, verdict
+
+
+async def test_a_response_whose_client_left_is_not_read_while_clients_leave() -> None:
+    """Parked (:meth:`ReadPacer.park`): the engine's end stays in the socket, unread, while the
+    pool holds; once clients stop leaving it is read and confirms the abort."""
+    async with watched_while_holding() as (pool, connection, confirmation, verdict):
+        loop = asyncio.get_running_loop()
+        until = loop.time() + 0.03  # the engine wrote its end 2-4 ms after the head
+        while loop.time() < until:
+            pool.reads.hold()  # a client leaves every turn
+            await asyncio.sleep(0)
+        assert connection.parked and connection.held_bytes == 0, (
+            f"expected the connection's reading paused, nothing read or held; parked "
+            f"{connection.parked}, {connection.held_bytes} bytes held")
+        assert confirmation.held and not verdict.done(), (
+            "expected the confirmation waiting (held) with no verdict while clients leave")
+        assert await verdict == CONFIRMED, "expected the end read once clients stopped"
+        assert not connection.parked
+
+
+async def test_a_parked_response_is_read_again_within_max_park_s() -> None:
+    """Clients that never stop leaving: the parked connection is read again ``MAX_PARK_S``
+    after it was parked, its bytes then held in the pacer's line like any other read (the
+    confirmation's re-sends read them at their bound: :meth:`Confirmation.read_held`)."""
+    async with watched_while_holding() as (pool, connection, confirmation, verdict):
+        loop = asyncio.get_running_loop()
+        parked_at = loop.time()
+        assert connection.parked
+        while connection.held_bytes == 0:  # a client leaves every turn
+            pool.reads.hold()
+            await asyncio.sleep(0)
+        took = loop.time() - parked_at
+        assert not connection.parked and pool.reads.holding
+        assert MAX_PARK_S - 0.002 <= took < MAX_PARK_S + 1.0, (
+            f"expected it read again {MAX_PARK_S} s after it was parked, took {took:.3f} s")
+        assert not verdict.done()
+        confirmation.read_held()  # what a re-send does at its bound
+        assert verdict.done() and verdict.result() == CONFIRMED
