@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import gc
 from collections.abc import AsyncIterator
 
 import pytest
@@ -23,7 +24,7 @@ import pytest
 from sidecar.config import UpstreamSettings
 from sidecar.confirm import CONFIRMED, Confirmation
 from sidecar.pool import UpstreamPool
-from sidecar.read_pacer import HOLD_S, MAX_PARK_S
+from sidecar.read_pacer import HOLD_S, MAX_COLLECTOR_PAUSE_S, MAX_PARK_S
 from sidecar.relay import Downstream, UpstreamConnection, origin
 
 pytestmark = pytest.mark.timeout(30)
@@ -287,3 +288,45 @@ async def test_a_parked_response_is_read_again_within_max_park_s() -> None:
         assert not verdict.done()
         confirmation.read_held()  # what a re-send does at its bound
         assert verdict.done() and verdict.result() == CONFIRMED
+
+
+async def test_the_collector_waits_while_clients_leave() -> None:
+    """:class:`CollectorPause`: no cyclic collection while a pool holds (a storm), the
+    collector enabled again once holding ends; one disabled by someone else stays disabled."""
+    assert gc.isenabled(), "the test's premise: the collector runs"
+    pool = UpstreamPool(UpstreamSettings())
+    try:
+        pool.reads.hold()
+        assert not gc.isenabled(), "expected the collector paused while a client leaves"
+        await asyncio.sleep(2 * HOLD_S)
+        assert not pool.reads.holding and gc.isenabled(), (
+            "expected the collector running again once the hold ended")
+        gc.disable()  # someone else's choice: not ours to undo
+        pool.reads.hold()
+        await asyncio.sleep(2 * HOLD_S)
+        assert not gc.isenabled(), "expected a collector disabled before to stay disabled"
+    finally:
+        gc.enable()
+        await pool.close()
+
+
+async def test_the_collector_waits_at_most_max_collector_pause_s() -> None:
+    """Clients that never stop leaving: the collector runs again ``MAX_COLLECTOR_PAUSE_S``
+    after it was paused, while the pool still holds."""
+    pool = UpstreamPool(UpstreamSettings())
+    loop = asyncio.get_running_loop()
+    try:
+        async with asyncio.timeout(GUARD_S):
+            pool.reads.hold()
+            paused_at = loop.time()
+            while not gc.isenabled():
+                pool.reads.hold()  # a client leaves every turn
+                await asyncio.sleep(0.001)
+            took = loop.time() - paused_at
+            assert pool.reads.holding
+            assert MAX_COLLECTOR_PAUSE_S <= took < MAX_COLLECTOR_PAUSE_S + 1.0, (
+                f"expected the collector back after {MAX_COLLECTOR_PAUSE_S} s, took {took:.3f} s")
+    finally:
+        gc.enable()
+        await pool.close()
+        assert not pool.reads.holding and gc.isenabled()
