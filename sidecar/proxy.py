@@ -406,10 +406,12 @@ class Exchange(Ticket):
             if self.confirmation is not None and upstream is not None:
                 if self.downstream is not None:
                     self.downstream.gone = True
+                # Parked (unread) if other clients left in the last moment (a storm:
+                # ReadPacer.park); a lone disconnect's confirmation is read as it comes.
+                upstream.watch(self.confirmation)
+                self.upstream_finished = True  # the confirmation closes it
                 if close_later:  # a client left: the engines' reads wait, the aborts go first
                     upstream.connection.pool.reads.hold()
-                upstream.watch(self.confirmation)  # parked while holding (ReadPacer.park)
-                self.upstream_finished = True  # the confirmation closes it
                 return
         if close_later and self.aborting:
             self._stop_reading_upstream()
