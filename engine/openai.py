@@ -2,11 +2,12 @@
 
 For TGI, the llama.cpp server, Ollama, a hosted API or anything else that speaks the OpenAI HTTP
 API but offers no way to abort a request by id. The sidecar still proxies transparently and,
-when a client disconnects, closes the upstream connection at once (``proxy.Exchange._stop``);
-it calls nothing else, because there is nothing to call. Whether the server then stops
-generating is up to the server: most notice a closed connection only when they next write a
-token, some only at the end of the request, some never (a hosted API bills the whole
-completion). That is why close-only is weaker than the ``vllm`` kind's abort.
+when a client disconnects, closes the upstream connection at once
+(``sidecar.cancellation.Cancellation._stop``); it calls nothing else, because there is nothing
+to call. Whether the server then stops generating is up to the server: most notice a closed
+connection only when they next write a token, some only at the end of the request, some never
+(a hosted API bills the whole completion). That is why close-only is weaker than the ``vllm``
+kind's abort.
 
 - ``tag`` sets ``X-Request-Id`` to the sidecar request id: harmless, many servers log it, and
   it matches the id on the client's response and the access line. It names no engine id.

@@ -12,7 +12,8 @@ Data flow for one request (modules named after the nouns)::
                        protocols; each body piece goes from the engine's socket to the
                        client's transport in the read callback; pool.py keeps them alive,
                        read_pacer.py holds their reads while clients leave)
-    client disconnect (aiohttp cancels the handler: proxy.py's Exchange, one request's life)
+    client disconnect (aiohttp cancels the handler: proxy.py's Exchange, one request's life;
+                       cancellation.py: its early end, what the sidecar does in between)
                    ──► upstream closed + engine abort (plan.py: which ids at which engines, by
                        pure functions; abort.py: own task, bounded, counted;
                        one per abort engine of the route, concurrently, and one at the engine
@@ -32,8 +33,7 @@ generation (adapters, router, upstream pool; SIGHUP swaps it) and counts request
 ``app.py`` builds the proxy and admin applications with their state under typed keys
 (``keys.py``, or beside the class a key types); ``server.py`` runs them as production does and
 drains them on SIGTERM; ``workers.py`` supervises ``--workers N`` processes on one port;
-``cli.py`` is the ``cancel-sidecar`` command;
-``cancel.py`` is the admin listener's cancel API (the same abort path, asked by an operator);
-``readiness.py`` checks that each engine answers and can abort (``/readyz`` and the startup
-check), saying what to fix.
+``cli.py`` is the ``cancel-sidecar`` command; ``cancel.py`` is the admin listener's cancel API
+(the same abort path, asked by an operator); ``readiness.py`` checks that each engine answers
+and can abort (``/readyz`` and the startup check), saying what to fix.
 """

@@ -3,7 +3,7 @@
 ``request_id`` is the sidecar request id the proxy returned in ``X-Request-Id``. Answers::
 
     200 {"id": ..., "cancelled": true, "phase": ...}   found: engine aborted, client's response
-                                                        ended (see proxy.Exchange.end_cancelled)
+                                                        ended (see sidecar.cancellation)
     404 {"error": {..., "type": "not_found"}}           no such request in flight (never was,
                                                         finished, or already ending: cancelled,
                                                         its deadline passed, its client gone)

@@ -8,8 +8,9 @@ being over ``upstream.replay_buffer_bytes`` (``over_limit``) and whether a body-
 relayed it unrewritten for that reason (``unrewritten``), its route (:class:`RouteTarget`) and
 the engines to abort (:meth:`RouteTarget.abort_engines`, which resolves ``abort_from_header``
 and counts that itself). Nothing here counts, logs or calls anything: the caller
-(:class:`sidecar.proxy.Exchange`) counts and logs the :class:`Withheld` reasons, and queues the
-steps at :class:`sidecar.abort.Aborter`.
+(:class:`sidecar.cancellation.Cancellation`) counts and logs the :class:`Withheld` reasons, and
+queues the steps at :class:`sidecar.abort.Aborter`; :class:`sidecar.proxy.Exchange` prepares the
+steps ahead of the end where nothing is withheld (:func:`prepared_steps`).
 """
 
 from __future__ import annotations

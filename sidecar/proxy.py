@@ -1,10 +1,16 @@
 """The hot path: one downstream request relayed to its engine, and cancelled if the client leaves.
 
+:class:`Exchange` is a request's life, its :meth:`~Exchange.run` read top to bottom; what happens
+when the request ends before its response is whole is its
+:class:`~sidecar.cancellation.Cancellation`'s (:mod:`sidecar.cancellation`), made at the first
+early end.
+
 Disconnects are noticed event-driven: the production runner enables aiohttp's handler
 cancellation, so a lost downstream connection cancels this handler at whatever it awaits
 (reading the body, waiting for the engine to queue and prefill, waiting for a non-streaming
-response, writing a stream). :meth:`Exchange.cancel` then closes the upstream connection and
-starts the engine abort in its own task, and the cancellation propagates.
+response, writing a stream). :meth:`Cancellation.cancel
+<sidecar.cancellation.Cancellation.cancel>` then closes the upstream connection and starts the
+engine abort in its own task, and the cancellation propagates.
 
 A write that fails because the client is gone takes the same path. The engine is aborted only if
 it has the whole request and has not finished its response, and does not keep it on purpose after
@@ -22,12 +28,13 @@ and cancels its handler with :data:`~sidecar.replies.CANCELLED`; a request's dea
 :meth:`sidecar.route.RouteTarget.deadline_s`) is one ``loop.call_at`` timer, cancelled when the
 request ends, that does the same with :data:`~sidecar.replies.DEADLINE`. :func:`serve`
 consumes only that cancellation (``Task.uncancel() == 0``: nothing else, e.g. a disconnect,
-asked too, as ``asyncio.timeout`` does) and :meth:`Exchange.end_cancelled` aborts the engine and
-ends the client's response with an error it can parse (the :class:`~sidecar.replies.Ending`'s
-status before the head, its SSE error event mid-stream; every reply the sidecar writes itself
-is built in :mod:`sidecar.replies`). Of a cancel call, the deadline and a disconnect, the first
-the sidecar notices wins and is the only one counted: :meth:`Exchange.request_cancel` refuses a
-request already ending (another ending asked, or the client's connection is lost or closing).
+asked too, as ``asyncio.timeout`` does) and :meth:`Cancellation.end_cancelled
+<sidecar.cancellation.Cancellation.end_cancelled>` aborts the engine and ends the client's
+response with an error it can parse (the :class:`~sidecar.replies.Ending`'s status before the
+head, its SSE error event mid-stream; every reply the sidecar writes itself is built in
+:mod:`sidecar.replies`). Of a cancel call, the deadline and a disconnect, the first the sidecar
+notices wins and is the only one counted: :meth:`Exchange.request_cancel` refuses a request
+already ending (another ending asked, or the client's connection is lost or closing).
 """
 
 from __future__ import annotations
@@ -36,23 +43,16 @@ import asyncio
 import functools
 import logging
 import time
-from collections.abc import Callable
 from typing import Protocol, cast
 
 from aiohttp import HttpVersion11, web
 from aiohttp.http_writer import StreamWriter
 from multidict import CIMultiDictProxy
 
-from engine import Kept, Unabortable
+from engine import Unabortable
 from sidecar.abort import Aborter
-from sidecar.confirm import Confirmation
-from sidecar.errors import (
-    DownstreamError,
-    UpstreamError,
-    UpstreamProtocolError,
-    UpstreamReadTimeout,
-    detail,
-)
+from sidecar.cancellation import Cancellation, LossHook
+from sidecar.errors import DownstreamError, UpstreamError, UpstreamProtocolError
 from sidecar.headers import (
     CLIENT_REQUEST_ID,
     REQUEST_ID,
@@ -63,28 +63,9 @@ from sidecar.headers import (
 from sidecar.inflight import InflightRecord
 from sidecar.keys import ABORTER, RECORD
 from sidecar.metrics import Metrics
-from sidecar.plan import (
-    AbortStep,
-    Phase,
-    Withheld,
-    abort_steps,
-    prepared_steps,
-    response_phase,
-    stopped_phase,
-)
+from sidecar.plan import AbortStep, Phase, prepared_steps, response_phase
 from sidecar.relay import Downstream, UpstreamResponse
-from sidecar.replies import (
-    CANCEL_WRITE_S,
-    CANCELLED,
-    DEADLINE,
-    Ending,
-    body_error,
-    cut,
-    end_begun,
-    ending_response,
-    gone_client,
-    upstream_error,
-)
+from sidecar.replies import CANCELLED, DEADLINE, Ending, gone_client
 from sidecar.route import RouteTarget
 from sidecar.runtime import Runtime
 from sidecar.ticket import Ticket
@@ -105,14 +86,15 @@ class RelayedResponse(web.StreamResponse):
 
 class Exchange(Ticket):
     """One request's life across the downstream/upstream race: its body relayed upstream, the
-    engine's response relayed downstream, and its early end (a disconnect, the cancel API, the
-    deadline, an upstream fault), which closes the upstream and queues the abort
-    (:mod:`sidecar.plan` says what to abort). Its id, access line and counts: :class:`Ticket`."""
+    engine's response relayed downstream, and on the way its record of in-flight work and its
+    abort plan (:mod:`sidecar.plan`). An early end (a disconnect, the cancel API, the deadline,
+    an upstream fault, a refused body) is its :class:`~sidecar.cancellation.Cancellation`'s,
+    made at the first (:meth:`cancelling`). Its id, access line and counts: :class:`Ticket`."""
 
-    __slots__ = ("_bytes_sent", "_plan", "_planned", "aborter", "aborting", "body",
-                 "confirmation", "downstream", "ending", "noticed_at", "phase", "prepared",
-                 "prepared_phase", "record", "record_seq", "response", "sending", "sent_at",
-                 "status_sent", "stop_recorded", "task", "upstream", "upstream_finished")
+    __slots__ = ("_plan", "_planned", "aborter", "body", "bytes_written", "cancellation",
+                 "downstream", "noticed_at", "phase", "prepared", "prepared_phase", "record",
+                 "record_seq", "response", "sending", "sent_at", "status_sent", "task",
+                 "upstream", "upstream_finished")
 
     def __init__(self, request: web.Request, runtime: Runtime, target: RouteTarget,
                  aborter: Aborter, metrics: Metrics, target_path: str,
@@ -126,26 +108,24 @@ class Exchange(Ticket):
         self.body: RequestBody | None = None
         self.upstream: UpstreamResponse | None = None
         self.sending: UpstreamResponse | None = None  # the attempt in flight, head or not
-        # After an early end at an engine that confirms: the upstream response, read for the
-        # engine's word that it stopped (sidecar.confirm); it owns the connection from then.
-        self.confirmation: Confirmation | None = None
         self.upstream_finished = False  # engine sent its whole response, or the hop failed
-        # For the access line: what went downstream, and where the exchange was stopped.
+        # For the access line: what went downstream, and where the exchange was stopped (set by
+        # its cancellation).
         self.status_sent: int | None = None
-        self._bytes_sent = 0  # of a response the sidecar wrote itself
+        self.bytes_written = 0  # body bytes of a response the sidecar wrote itself
         self.phase: Phase | None = None
         self.response: web.StreamResponse | None = None  # once the relayed head is built
         self.downstream: Downstream | None = None  # the relayed body's byte path
         self.task = asyncio.current_task()  # the handler's, cancelled by the cancel API
-        self.ending: Ending | None = None  # set when the sidecar asks to end the request
         self.sent_at: float | None = None  # time.monotonic() when the upstream request started
-        # Stopping: the abort queued and the upstream closed at noticed_at (time.monotonic()),
-        # then recorded (metrics, log) by the handler; aborting: engine ids queued.
+        # The early end, made at the first (cancelling): None while there is none, and always
+        # for a request that completes. noticed_at (time.monotonic()): when it queued the abort
+        # and closed the upstream, the one thing of it the forward path checks.
+        self.cancellation: Cancellation | None = None
         self.noticed_at: float | None = None
-        self.stop_recorded = False
-        self.aborting = 0
         # The abort plan, derived once the response is relaying (:meth:`_prepare_abort`), so
-        # that a disconnect only queues it; None: derived at the disconnect (abort_plan).
+        # that a disconnect only queues it; None: derived at the disconnect
+        # (Cancellation.abort_plan).
         self.prepared: list[AbortStep] | None = None
         self.prepared_phase = Phase.STREAMING  # with prepared: the phase once the body went whole
         self._plan: list[AbortStep] | None = None  # _plan_ahead's, once derived
@@ -163,15 +143,17 @@ class Exchange(Ticket):
 
     @property
     def bytes_sent(self) -> int:
-        """Body bytes sent to the client (for the access line)."""
+        """Body bytes sent to the client (for the access line): relayed, or written by the
+        sidecar itself (``bytes_written``)."""
         relayed = self.downstream.bytes_sent if self.downstream is not None else 0
-        return self._bytes_sent + relayed
-
-    @bytes_sent.setter
-    def bytes_sent(self, value: int) -> None:
-        self._bytes_sent = value
+        return self.bytes_written + relayed
 
     async def run(self) -> web.StreamResponse:
+        """Relay the request and its response; returns the response for aiohttp to finish: the
+        relayed one, or the sidecar's own reply (413/408, 502/504) after an early end. Raises
+        ``asyncio.CancelledError`` (a disconnect, the cancel API, the deadline) and
+        ``ConnectionResetError`` (a write found the client gone, or it left before the engine's
+        side failed: :func:`_left_first`), which :func:`serve` ends."""
         request, engine = self.request, self.target.engine
         settings = self.runtime.settings.upstream
         headers = upstream_request_headers(request.headers, request.remote, request.scheme)
@@ -181,7 +163,7 @@ class Exchange(Ticket):
                                         settings.replay_buffer_bytes,
                                         self.runtime.settings.downstream)
         except DownstreamError as exc:
-            return await self._refuse_body(exc)
+            return await self.cancelling().refuse_body(exc)
         if self.body.unrewritten:
             log.warning("request %s: body over %d bytes not rewritten; the engine picks its own "
                         "request id and cannot be aborted by id (if it ends early: counted in "
@@ -200,11 +182,11 @@ class Exchange(Ticket):
                 self.target_path, headers, self.body, self.id,
                 wanted=lambda: self.noticed_at is None, sent=self._sent)
         except DownstreamError as exc:
-            return await self._refuse_body(exc)
+            return await self.cancelling().refuse_body(exc)
         except UpstreamError as exc:
             if self.noticed_at is not None:
                 raise _left_first(exc) from exc
-            return self._fail(exc)
+            return self.cancelling().fail(exc)
         self.upstream = upstream
         # Observed in the next loop turn: after the head's write (nothing below gives up the
         # loop before it), whichever way this ends; the histogram is off the first byte's path.
@@ -213,7 +195,7 @@ class Exchange(Ticket):
             self.body.drop_copy()
 
         if has_forbidden_characters(upstream.headers, upstream.reason):
-            return self._fail(UpstreamProtocolError(
+            return self.cancelling().fail(UpstreamProtocolError(
                 f"{engine.base_url} sent a response head (a header or the reason phrase) with "
                 f"a control character"))
         response = self.response = RelayedResponse(
@@ -270,7 +252,7 @@ class Exchange(Ticket):
         except (UpstreamError, DownstreamError) as exc:
             if self.noticed_at is not None:
                 raise _left_first(exc) from exc
-            return self._broken_mid_stream(response, exc)
+            return self.cancelling().broken_mid_stream(response, exc)
         finally:
             flow.flow = None
         self.upstream_finished = True
@@ -313,34 +295,34 @@ class Exchange(Ticket):
         its response head parsed."""
         self.metrics.child(self.metrics.upstream_ttfb, self.target.engine.name).observe(seconds)
 
-    def cancel(self, reason: str, *, disconnect: bool = True) -> None:
-        """The client is gone (``disconnect``) or the sidecar is stopping: close upstream, abort
-        the engine. Only a disconnect counts in ``client_disconnects_total``."""
-        if self.saw_done_event:
-            self.close()  # the engine had finished: nothing to abort
-        if not self.upstream_finished or (self.noticed_at is not None and not self.stop_recorded):
-            self._stop(reason, disconnect=disconnect)
+    def cancelling(self) -> Cancellation:
+        """This request's early end (:class:`~sidecar.cancellation.Cancellation`), made at the
+        first call; :func:`serve` lets it go when the handler ends."""
+        cancellation = self.cancellation
+        if cancellation is None:
+            cancellation = self.cancellation = Cancellation(self)
+        return cancellation
 
     def client_gone(self) -> bool:
         """The client's connection was lost: called from the downstream protocol's
-        ``connection_lost`` (:class:`sidecar.downstream.DownstreamHandler`), before aiohttp
-        cancels the handler. The abort is queued right here, so when many clients leave at once
-        every abort is on the wire before any of their handlers' teardown (the upstream close,
-        metrics, logs, access lines) runs; the cancelled handler records the rest
-        (:meth:`cancel`). Nothing to do if the response was complete, the engine had finished
-        (``data: [DONE]``) or the sidecar is ending the request itself.
-
-        Returns True if an abort was queued: the upstream is then left to the handler's
-        teardown, which the downstream protocol may defer a few loop turns
-        (:class:`sidecar.downstream.TeardownPacer`); the engine is already being told to stop.
-        Otherwise (nothing to abort: the upstream close is all the engine hears) the upstream is
-        closed in the next loop turn and False returned."""
+        ``connection_lost`` (:class:`sidecar.downstream.DownstreamHandler`, the
+        :class:`~sidecar.cancellation.LossHook`), before aiohttp cancels the handler. Nothing to
+        do if the response was complete or the engine had finished (``data: [DONE]``); else
+        :meth:`Cancellation.client_gone <sidecar.cancellation.Cancellation.client_gone>` queues
+        the abort. Returns True if it did: the handler's teardown may then wait its turn
+        (:class:`sidecar.downstream.TeardownPacer`)."""
         downstream = self.downstream
-        if (self.upstream_finished or self.ending is not None
-                or (downstream is not None and downstream.saw_done_event)):
+        if self.upstream_finished or (downstream is not None and downstream.saw_done_event):
             return False
-        self._abort_now(time.monotonic(), close_later=True)
-        return self.aborting > 0
+        return self.cancelling().client_gone()
+
+    def request_cancel(self, ending: Ending = CANCELLED) -> bool:
+        """The cancel API (:mod:`sidecar.cancel`) or the deadline timer (``ending``
+        :data:`~sidecar.replies.DEADLINE`) asks to end this request: True if its handler was
+        cancelled for it, False if the request is already ending or over
+        (:meth:`Cancellation.request_cancel <sidecar.cancellation.Cancellation.request_cancel>`
+        says when)."""
+        return self.cancelling().request_cancel(ending)
 
     def close(self) -> None:
         """Last step of every request: a response not read to its end is never pooled again
@@ -352,157 +334,14 @@ class Exchange(Ticket):
         if self.body is not None:  # a body never sent whole: no cycle left to the collector
             self.body.on_sent = None
 
-    def _abort_now(self, noticed_at: float, *, close_later: bool = False,
-                   confirm: bool = True) -> None:
-        """Queue the abort at every abort engine (if the engine had the whole body) and close
-        the upstream; the part of stopping that cannot wait. Once per request.
-        ``close_later`` (a disconnect): the upstream stays open for the handler's teardown to
-        close if an abort was queued, else it is closed in a callback of its own.
-
-        If the upstream engine itself is aborted and its kind confirms
-        (:attr:`~engine.base.EngineAdapter.confirms`, ``abort.confirm_timeout_s`` > 0), the
-        upstream is not closed: its response goes to a :class:`~sidecar.confirm.Confirmation`
-        (nothing more reaches the client), which closes it at the engine's verdict or its bound
-        (``confirm``: False when the sidecar closes the upstream itself: a timeout)."""
-        self.noticed_at = noticed_at
-        plan, request_body = self.prepared, self.body
-        if plan is None:  # derived now (no response relaying yet, or deriving counts or logs)
-            body = request_body.copy() if request_body else None
-            phase = self.phase = self._phase(body)
-        else:
-            body = None
-            # "request_body": a response relaying while the client still sends the body
-            phase = self.phase = (self.prepared_phase if request_body is not None
-                                  and request_body.complete else Phase.REQUEST_BODY)
-        if phase is not Phase.REQUEST_BODY:
-            body_sent_at = (request_body.sent_at if request_body and request_body.sent_at
-                            else self.sent_at)
-            # A lone id whose engine sent response body bytes, on a route where it streams only
-            # once registered (EngineAdapter.registered_once_streaming: vLLM's chat and
-            # completions), is known to it: no re-sends. A request with several ids keeps them
-            # (one may still be registering while another streams).
-            streamed = self.downstream is not None and self.downstream.bytes_sent > 0
-            # One call per abort engine, queued in this same loop turn: the engines' calls run
-            # concurrently, each with the ids its own kind derives.
-            # Ids an engine may register long after the body (vLLM's Responses turns after a
-            # built-in tool: EngineAdapter.registers_later) are re-sent for the window from now.
-            upstream = self.upstream or self.sending
-            for engine, ids, once_streaming, later in (
-                    self.abort_plan(body) if plan is None else plan):
-                registered = streamed and once_streaming and len(ids) == 1
-                confirmation = None
-                # Not a JSON answer whose head came: the engine sends it once it generated it
-                # whole, so nothing is left to stop (one call, as before, and the close).
-                if (confirm and upstream is not None and engine.confirms
-                        and self.confirmation is None and not upstream.complete
-                        and engine.base_url == self.target.engine.base_url
-                        and engine.settings.abort.confirm_timeout_s > 0
-                        and (self.upstream is None or phase is Phase.STREAMING)):
-                    confirmation = self.confirmation = Confirmation(upstream)
-                self.aborter.abort(engine, ids, self.id, noticed_at, self.access,
-                                   None if registered else noticed_at if later else body_sent_at,
-                                   confirmation)
-                self.aborting += len(ids)
-            if self.confirmation is not None and upstream is not None:
-                if self.downstream is not None:
-                    self.downstream.gone = True
-                # Parked (unread) if other clients left in the last moment (a storm:
-                # ReadPacer.park); a lone disconnect's confirmation is read as it comes.
-                upstream.watch(self.confirmation)
-                self.upstream_finished = True  # the confirmation closes it
-                if close_later:  # a client left: the engines' reads wait, the aborts go first
-                    upstream.connection.pool.reads.hold()
-                return
-        if close_later and self.aborting:
-            self._stop_reading_upstream()
-            return
-        upstream = self.upstream or self.sending
-        if upstream is not None:
-            if close_later:
-                asyncio.get_running_loop().call_soon(upstream.close)
-            else:
-                upstream.close()
-        self.upstream_finished = True
-
-    def _stop_reading_upstream(self) -> None:
-        """Stop reading the engine's response and end the connection on the engine's side soon;
-        the handler's teardown, paced (:class:`sidecar.downstream.TeardownPacer`), closes it.
-
-        Reading is paused: a chunk the engine still sends would only wake the handler to find
-        the client gone and tear it down out of its turn (a piece already read is dropped:
-        :attr:`sidecar.relay.Downstream.gone`). The connection is shut down both ways (the
-        engine reads EOF: :meth:`sidecar.relay.UpstreamConnection.end`) as a follow-up of the
-        lost connection: after the abort flush, in the next loop turn, unless clients are still
-        leaving (a storm): then a few per turn, so the aborts of the disconnects still arriving
-        go first (:meth:`sidecar.downstream.TeardownPacer.follow_up`).
-        The connection is never pooled again (the teardown closes it: :meth:`close`)."""
-        if self.downstream is not None:
-            self.downstream.gone = True
-        if self.upstream is not None and (connection := self.upstream.connection).retire():
-            # Only ever reached from client_gone, which the downstream protocol's hook calls.
-            cast(LossHook, self.request.protocol).follow_up(connection.end)
-
-    def _stop(self, reason: str, *, disconnect: bool, confirm: bool = True) -> None:
-        if self.noticed_at is None:
-            self._abort_now(time.monotonic(), confirm=confirm)
-        self.stop_recorded = True
-        if disconnect:
-            self.metrics.disconnects.labels(self.target.prefix, str(self.phase)).inc()
-        aborting = self.aborting
-        log.info("request %s: %s during %s; %s, %s", self.id, reason, self.phase,
-                 "upstream read for the engine's confirmation" if self.confirmation
-                 else "upstream closed",
-                 f"aborting {aborting} engine id(s)" if aborting else "nothing to abort")
-
-    def abort_plan(self, body: bytes | None) -> list[AbortStep]:
-        """Every :class:`AbortStep` of this request now that it ended early
-        (:func:`sidecar.plan.abort_steps`): the route's abort engines (``routes[].abort``) and
-        the one its ``abort_from_header`` header names, if allowed
-        (:meth:`RouteTarget.abort_engines`, which counts and logs a refused one), with ids.
-        ``body``: the kept copy. Counts and logs what is withheld (:meth:`_withhold`); calls
-        nothing."""
-        request, request_body = self.request, self.body
-        engines = self.target.abort_engines(request.headers, self.id, self.metrics)
-        steps, withheld = abort_steps(
-            engines, request.method, request.path, self.id, body,
-            unrewritten=request_body is not None and request_body.unrewritten,
-            over_limit=request_body is not None and request_body.copy_over_limit)
-        if withheld:
-            self._withhold(withheld)
-        return steps
-
-    def _withhold(self, withheld: tuple[Withheld, ...]) -> None:
-        """Count and log each engine the abort plan withholds (:class:`sidecar.plan.Withheld`):
-        kept after its client leaves (a background response: counted per engine, one INFO line,
-        and the access line's ``kept_by_engine``), or unabortable (counted, one WARNING)."""
-        for engine, reason, named in withheld:
-            if isinstance(reason, Kept):
-                self.metrics.kept.labels(engine.name, reason).inc()
-                if self.access.kept_by_engine(reason):
-                    log.info("request %s: not aborted: the engine keeps it after the client "
-                             "leaves (%s: %s); counted in cancel_sidecar_kept_requests_total",
-                             self.id, reason, reason.why)
-                continue
-            self.metrics.unabortable.labels(engine.name, reason).inc()
-            if named:
-                log.warning("request %s: engine %s may run some of it under ids the sidecar "
-                            "cannot name: its body was over upstream.replay_buffer_bytes, and "
-                            "the ids are counted from the body; aborting the %d it can name; "
-                            "counted in cancel_sidecar_unabortable_requests_total"
-                            "{reason=\"%s\"}", self.id, engine.name, named, reason)
-            else:
-                log.warning("request %s: engine %s cannot be told to stop it by id (%s); only "
-                            "its upstream is closed; counted in "
-                            "cancel_sidecar_unabortable_requests_total{reason=\"%s\"}",
-                            self.id, engine.name, reason.why, reason)
-
     def _prepare_abort(self, headers: CIMultiDictProxy[str]) -> None:
         """Derive the abort plan now that the response relays (its head, ``headers``, is in; the
         body copy final), so that a disconnect only queues it: when hundreds of clients leave at
         once, each disconnect's cost delays noticing the next (~0.5 ms of p99 client close ->
         abort call per microsecond, ``python -m bench``'s storm). Only a plan whose derivation
         counts and logs nothing (no ``abort_from_header``, nothing kept or unabortable) is
-        prepared; the others are derived at the disconnect, as :meth:`abort_plan` does."""
+        prepared; the others are derived at the disconnect
+        (:meth:`Cancellation.abort_plan <sidecar.cancellation.Cancellation.abort_plan>`)."""
         plan = self._plan_ahead()
         if plan is not None:
             self.prepared = plan
@@ -521,130 +360,6 @@ class Exchange(Ticket):
             unrewritten=body is not None and body.unrewritten,
             over_limit=body is not None and body.copy_over_limit)
         return plan
-
-    def _phase(self, body: bytes | None) -> Phase:
-        """Where the request was when it stopped (:func:`sidecar.plan.stopped_phase`);
-        ``body``: the kept body copy."""
-        request_body, upstream = self.body, self.upstream
-        return stopped_phase(request_body is not None and request_body.complete,
-                             None if upstream is None else upstream.headers, body)
-
-    async def _refuse_body(self, exc: DownstreamError) -> web.StreamResponse:
-        """The client's body broke a ``downstream`` limit before the engine had all of it: the
-        upstream request, if one was sent, is already closed and nothing is aborted. The client
-        gets the JSON error and its connection is closed: the rest of its body is never read."""
-        self.upstream_finished = True
-        self.phase = Phase.REQUEST_BODY
-        kind = type(exc).__name__.removeprefix("Request")
-        self.metrics.downstream_errors.labels(self.target.prefix, kind).inc()
-        log.info("request %s: %s; upstream closed, nothing to abort", self.id, exc)
-        response = body_error(exc, self.id, self.request.headers.get(REQUEST_ID))
-        await response.prepare(self.request)
-        await response.write_eof()
-        self.status_sent, self.bytes_sent = response.status, response.body_length
-        if self.request.transport is not None:
-            # Else aiohttp reads (and drops) what is left of the body for up to 10 s first.
-            self.request.transport.close()
-        return response
-
-    def _fail(self, exc: UpstreamError) -> web.Response:
-        kind = type(exc).__name__.removeprefix("Upstream")
-        self.metrics.upstream_errors.labels(self.target.engine.name, kind).inc()
-        # The detail (which may quote upstream bytes) goes to the log, not to the client.
-        log.warning("request %s: %s", self.id, detail(exc))
-        if exc.engine_may_hold_request:
-            # A timeout or a malformed head: the engine may still be queuing or generating for
-            # nobody, so abort it. (Connect errors: it never got the request; a close before the
-            # head: its side is gone.) Its response is given up: nothing to confirm on.
-            self._stop(kind, disconnect=False, confirm=False)
-        self.upstream_finished = True
-        return upstream_error(exc, self.id, self.request.headers.get(REQUEST_ID))
-
-    def _broken_mid_stream(self, response: web.StreamResponse,
-                           exc: UpstreamError | DownstreamError) -> web.StreamResponse:
-        """The engine broke or fell silent after the response began: end it so the client sees
-        it incomplete, and close the upstream connection (never pooled again).
-
-        :class:`~sidecar.errors.UpstreamDisconnected` (FIN, RST, fewer bytes than
-        ``Content-Length``) or :class:`~sidecar.errors.UpstreamProtocolError` (a body whose
-        framing does not parse): the engine's side is gone, nothing is aborted; counted as
-        ``MidStream``. (A request body that broke a ``downstream`` limit while the response
-        streamed ends the same way.) :class:`UpstreamReadTimeout` (no body
-        byte within ``read_timeout_s``): the engine may be stuck or generating for nobody, so it
-        is aborted like after a first-byte timeout, unless it already sent ``data: [DONE]``;
-        counted as ``ReadTimeout``. A chunked or length-delimited body is cut short (no final
-        chunk / too few bytes); a close-delimited one (HTTP/1.0) can only say so with a TCP reset.
-        """
-        timed_out = isinstance(exc, UpstreamReadTimeout)
-        kind = "ReadTimeout" if timed_out else "MidStream"
-        self.metrics.upstream_errors.labels(self.target.engine.name, kind).inc()
-        log.warning("request %s: upstream %s mid-response: %s", self.id,
-                    "fell silent" if timed_out else "broke", exc)
-        if timed_out and not self.saw_done_event:
-            self._stop("read timeout", disconnect=False, confirm=False)
-        self.upstream_finished = True
-        assert self.upstream is not None
-        self.upstream.close()
-        cut(self.request, response)
-        return response
-
-    def request_cancel(self, ending: Ending = CANCELLED) -> bool:
-        """The cancel API (or the deadline timer, with :data:`DEADLINE`): cancel the handler;
-        :func:`serve` then calls :meth:`end_cancelled`. ``False`` if the request is already
-        ending: another ending was requested, the client is gone (its disconnect is being
-        handled: the connection is lost or closing), the handler is done, or the stream has
-        already relayed ``data: [DONE]`` (the client has its whole answer and the engine is
-        finished: an error event after it would contradict it, and there is nothing to abort;
-        the response ends with the engine's final chunk, or ``upstream.read_timeout_s``). The
-        first to ask wins."""
-        transport = self.request.transport
-        if (self.ending is not None or self.task is None or self.task.done()
-                or transport is None or transport.is_closing() or self.saw_done_event):
-            return False
-        self.ending = ending
-        self.task.cancel(ending.reason)
-        return True
-
-    def stop_for_ending(self) -> Ending:
-        """After :meth:`request_cancel`: close upstream and abort the engine (as after a
-        disconnect, not counted as one) and count the request under its :class:`Ending`."""
-        ending = self.ending or CANCELLED
-        self.cancel(ending.reason, disconnect=False)
-        self.close()
-        if self.phase is None:  # the engine had already finished
-            self.phase = self._phase(None)
-        counter = self.metrics.deadline_exceeded if ending is DEADLINE else self.metrics.cancelled
-        counter.labels(self.target.prefix, self.phase).inc()
-        self.access.cancelled(ending.reason)
-        return ending
-
-    async def end_cancelled(self) -> web.StreamResponse:
-        """:meth:`stop_for_ending`, then end the client's response as its :class:`Ending`
-        says: a JSON error with its status before the head; its SSE error event and the end of
-        the stream mid-SSE (at an event boundary); else (a JSON body begun, or mid-event) the
-        response cut short."""
-        ending = self.stop_for_ending()
-        response = self.response
-        if response is None or not response.prepared:
-            return await self._cancelled_before_head(ending)
-        self._bytes_sent += await end_begun(self.request, response, ending, self.tail)
-        return response
-
-    async def _cancelled_before_head(self, ending: Ending) -> web.StreamResponse:
-        response = ending_response(ending, self.id, self.request.headers.get(REQUEST_ID))
-        if self.phase is Phase.REQUEST_BODY:
-            response.force_close()  # the rest of the body is never read
-        try:
-            async with asyncio.timeout(CANCEL_WRITE_S):
-                await response.prepare(self.request)
-                await response.write_eof()
-        except (TimeoutError, ConnectionResetError):
-            cut(self.request, response)
-            return response
-        self.status_sent, self.bytes_sent = response.status, response.body_length
-        if self.phase is Phase.REQUEST_BODY and self.request.transport is not None:
-            self.request.transport.close()  # else aiohttp reads what is left: see _refuse_body
-        return response
 
 
 # Requests in flight by sidecar request id (the X-Request-Id returned to the client), for the
@@ -671,18 +386,6 @@ class FlowHook(Protocol):
 
     @property
     def writing_paused(self) -> bool: ...  # aiohttp's BaseProtocol: over the high-water mark
-
-
-class LossHook(Protocol):
-    """A downstream protocol that calls ``on_lost`` (once, then forgets it) when its connection
-    is lost, before aiohttp cancels the handler: :class:`sidecar.downstream.DownstreamHandler`.
-    ``on_lost`` returns True if it queued an abort: the handler's cancellation may then wait
-    its turn, and so may what ``follow_up`` is given
-    (:class:`sidecar.downstream.TeardownPacer`)."""
-
-    on_lost: Callable[[], bool] | None
-
-    def follow_up(self, callback: Callable[[], None]) -> None: ...
 
 
 async def serve(request: web.Request, runtime: Runtime, target: RouteTarget, target_path: str,
@@ -713,29 +416,31 @@ async def serve(request: web.Request, runtime: Runtime, target: RouteTarget, tar
         status_class = f"{response.status // 100}xx"
         if exchange.status_sent is None:  # an error response, which aiohttp sends next
             exchange.status_sent = response.status
-            exchange.bytes_sent = response.content_length or 0
+            exchange.bytes_written = response.content_length or 0
         return response
     except asyncio.CancelledError:
-        if exchange.ending and exchange.task:
+        cancellation = exchange.cancelling()
+        if cancellation.ending and exchange.task:
             # The sidecar's own ending asked first (request_cancel refuses once the client is
             # gone), so it wins even if a disconnect or the stop drain asked too before the
             # handler ran: counted once, as the ending.
             status_class = "cancelled"
             if exchange.task.uncancel() == 0:  # our own cancellation, consumed
-                return await exchange.end_cancelled()
-            exchange.stop_for_ending()  # and no response: the handler was cancelled again
+                return await cancellation.end_cancelled()
+            cancellation.stop_for_ending()  # and no response: the handler was cancelled again
             gone = request.transport is None or request.transport.is_closing()
             raise
         gone = request.transport is None or request.transport.is_closing()
         if not gone:
             status_class = "cancelled"
-        exchange.cancel("client disconnected" if gone else "handler cancelled", disconnect=gone)
+        cancellation.cancel("client disconnected" if gone else "handler cancelled",
+                            disconnect=gone)
         raise
     except ConnectionResetError:
         # A write found the client gone before the cancellation arrived, or the engine ended
         # its side on the abort while the cancellation waited its turn (_left_first).
         gone = True
-        exchange.cancel("client disconnected")
+        exchange.cancelling().cancel("client disconnected")
         return gone_client()
     finally:
         if timer is not None:
@@ -746,3 +451,6 @@ async def serve(request: web.Request, runtime: Runtime, target: RouteTarget, tar
         exchange.close()
         exchange.done(status_class, exchange.status_sent, exchange.bytes_sent, gone,
                       exchange.phase)
+        # The cancellation refers back to the exchange: let go of it, so that the two are not
+        # a cycle left to the collector.
+        exchange.cancellation = None

@@ -14,7 +14,8 @@ the client's own as ``X-Client-Request-Id`` when it has them (:mod:`sidecar.head
     a client a write found gone                   gone_client (never sent)
 
 When to send them, and what to count and log, is the caller's: :mod:`sidecar.proxy`,
-:mod:`sidecar.tunnel`, :mod:`sidecar.downstream`, :mod:`sidecar.app`, :mod:`sidecar.cancel`.
+:mod:`sidecar.cancellation`, :mod:`sidecar.tunnel`, :mod:`sidecar.downstream`,
+:mod:`sidecar.app`, :mod:`sidecar.cancel`.
 """
 
 from __future__ import annotations

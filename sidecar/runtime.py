@@ -8,7 +8,8 @@ app keeps it under ``keys.RUNTIME``), counts the requests running on each, and:
   the one they started on; a replaced generation's connections are closed once no request that
   started on it is still running.
 - ``drain(grace_s)`` (SIGTERM): waits for running requests, then cancels what is left; each
-  cancelled handler closes its upstream and aborts its engine ids (``proxy.Exchange.cancel``).
+  cancelled handler closes its upstream and aborts its engine ids
+  (``cancellation.Cancellation.cancel``).
 
 State shared by every generation (metrics, the abort session and its TaskSet) stays on the app.
 """

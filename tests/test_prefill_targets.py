@@ -253,7 +253,7 @@ async def test_after_the_end_nothing_is_called(
 
 async def test_a_deadline_during_prefill_aborts_the_prefill_pod_too(
         vllm_pod: Pod, start_sidecar: Callable[..., Any], stalls: Stalls) -> None:
-    """Every early end that aborts takes the same path (``Exchange.abort_plan``): here the
+    """Every early end that aborts takes the same path (``Cancellation.abort_plan``): here the
     client's own deadline (``X-Sidecar-Deadline-S``) passes while the prefill engine works."""
     pod = vllm_pod
     servers: Servers = await start_sidecar(pod.settings())

@@ -247,7 +247,7 @@ async def _watched(pool: UpstreamPool, engine: Engine) -> tuple[
     verdict: asyncio.Future[str] = asyncio.get_running_loop().create_future()
     confirmation = Confirmation(response)
     confirmation.arm(verdict.set_result)
-    pool.reads.hold()  # the client left: its abort is queued (proxy.Exchange._abort_now)
+    pool.reads.hold()  # the client left: its abort is queued (cancellation.Cancellation._abort_now)
     response.watch(confirmation)
     return pool, connection, confirmation, verdict
 

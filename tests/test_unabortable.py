@@ -261,7 +261,7 @@ async def test_vllm_beam_search_disconnect_is_counted_not_aborted(
 async def test_deadline_end_is_counted_like_a_disconnect(
         sglang: SGLangEngine, start_sidecar: Callable[..., Any]) -> None:
     """The sidecar's own early end (here the deadline; the cancel API and a shutdown take the
-    same path, ``Exchange.cancel``) counts too: the client stays connected."""
+    same path, ``Cancellation.cancel``) counts too: the client stays connected."""
     sidecar: Servers = await start_sidecar(sglang_config(sglang.url))
     url = f"http://127.0.0.1:{sidecar.proxy_port}/v1/chat/completions?tokens=100000"
     async with aiohttp.ClientSession() as session, asyncio.timeout(GUARD_S):
