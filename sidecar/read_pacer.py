@@ -41,14 +41,21 @@ class CollectorPause:
     One per process (the collector is the process's): :data:`COLLECTOR`. It enables again
     only what it disabled."""
 
-    __slots__ = ("holders", "paused_at")
+    __slots__ = ("holders", "loop", "paused_at")
 
     def __init__(self) -> None:
-        self.holders = 0  # pacers holding now
+        self.holders = 0  # pacers holding now, in ``loop``
+        self.loop: asyncio.AbstractEventLoop | None = None  # the loop of the holds counted
         self.paused_at: float | None = None  # loop time it disabled the collector at
 
     def begin(self, now: float) -> None:
-        """A pacer started holding at loop time ``now``."""
+        """A pacer started holding at loop time ``now`` (in the running loop)."""
+        loop = asyncio.get_running_loop()
+        if loop is not self.loop:
+            # The holds counted were another loop's, one that stopped while its pools held
+            # (their ends never come): they count no more.
+            self.loop, self.holders = loop, 0
+            self._resume()
         self.holders += 1
         if self.paused_at is None and gc.isenabled():
             gc.disable()

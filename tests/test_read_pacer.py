@@ -293,9 +293,10 @@ async def test_a_parked_response_is_read_again_within_max_park_s() -> None:
 async def test_the_collector_waits_while_clients_leave() -> None:
     """:class:`CollectorPause`: no cyclic collection while a pool holds (a storm), the
     collector enabled again once holding ends; one disabled by someone else stays disabled."""
-    assert gc.isenabled(), "the test's premise: the collector runs"
     pool = UpstreamPool(UpstreamSettings())
     try:
+        # An earlier test's loop may have stopped while its pool held, the collector paused:
+        # the first hold in this loop forgets that pause and makes its own.
         pool.reads.hold()
         assert not gc.isenabled(), "expected the collector paused while a client leaves"
         await asyncio.sleep(2 * HOLD_S)
@@ -330,3 +331,30 @@ async def test_the_collector_waits_at_most_max_collector_pause_s() -> None:
         gc.enable()
         await pool.close()
         assert not pool.reads.holding and gc.isenabled()
+
+
+def test_a_loop_that_stopped_while_holding_leaves_no_pause_behind() -> None:
+    """A loop that stops while its pool holds never ends that hold (its timers never run):
+    the next loop's first hold forgets it, and the collector runs again when that one ends
+    (the test process's loops come and go so; a sidecar's one loop ends only at exit)."""
+    async def hold_and_leave() -> None:
+        UpstreamPool(UpstreamSettings()).reads.hold()  # never closed
+
+    async def hold_and_end() -> bool:
+        pool = UpstreamPool(UpstreamSettings())
+        try:
+            pool.reads.hold()
+            await asyncio.sleep(2 * HOLD_S)
+            return not pool.reads.holding and gc.isenabled()
+        finally:
+            await pool.close()
+
+    try:
+        with asyncio.Runner() as runner:
+            runner.run(hold_and_leave())
+        assert not gc.isenabled(), "the test's premise: the stopped loop left it paused"
+        with asyncio.Runner() as runner:
+            assert runner.run(hold_and_end()), (
+                "expected the collector running once the new loop's hold ended")
+    finally:
+        gc.enable()
