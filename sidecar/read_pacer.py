@@ -26,6 +26,7 @@ CLOCK_RESOLUTION_S = 0.001  # uvloop's clock and timers count milliseconds
 HOLD_S = 0.01  # reads are held this long after a client left with its abort queued (ReadPacer)
 MAX_PARK_S = 0.05  # a parked connection is read again at most this long after it was parked
 MAX_COLLECTOR_PAUSE_S = 1.0  # the garbage collector waits at most this long for a storm's end
+MAX_HELD_BYTES = 65536  # a connection's held reads are relayed at once beyond this
 
 
 class CollectorPause:
@@ -83,7 +84,6 @@ class CollectorPause:
 
 
 COLLECTOR = CollectorPause()
-MAX_HELD_BYTES = 65536  # a connection's held reads are relayed at once beyond this
 
 
 class Paced(Protocol):
