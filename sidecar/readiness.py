@@ -47,7 +47,7 @@ import aiohttp
 from aiohttp import web
 
 from engine import EngineAdapter
-from sidecar.abort import ABORT_STATUS_HINTS
+from sidecar.abort_call import ABORT_STATUS_HINTS
 from sidecar.config import EngineKind, WhenAbortUnavailable
 from sidecar.metrics import ReadinessMetrics
 from sidecar.runtime import Runtimes

@@ -29,7 +29,7 @@ from typing import Any
 import pytest
 
 from engine.vllm import MAX_IDS_PER_CALL
-from sidecar.abort import MAX_CALLS_PER_ENGINE
+from sidecar.abort_queue import MAX_CALLS_PER_ENGINE
 from sidecar.server import Servers
 from tests.conftest import sidecar_settings
 from tests.fakes.engine import ABORT_PATH, FakeEngine

@@ -81,7 +81,7 @@ class AbortSettings(_Model):
     ``path`` defaults per engine kind (vLLM: ``/inference/v1/abort_requests``); ``api_key`` is sent
     as ``Authorization: Bearer <key>``; ``timeout_s`` bounds one abort call (one attempt), seconds;
     ``retries``: how many more attempts a call gets after a transient failure (see
-    :mod:`sidecar.abort` for which failures are retried).
+    :mod:`sidecar.abort_call` for which failures are retried).
 
     Re-sends (the registration window). An engine ignores an abort naming an id it does not know
     yet, and it learns a request's ids only after preprocessing it (vLLM: chat template,

@@ -2,9 +2,9 @@
 
 Whatever the engine's abort endpoint does (401, 403, 404, 500, 503, reset, refused, slow,
 hanging): the upstream connection is closed at once, other requests complete meanwhile, each
-attempt is bounded by ``abort.timeout_s``, retried only where :mod:`sidecar.abort` says a re-send
-is safe and useful, counted by outcome on the admin ``/metrics``, logged with the request id and
-a hint but never the key, and the request's final outcome reaches its access line once.
+attempt is bounded by ``abort.timeout_s``, retried only where :mod:`sidecar.abort_call` says a
+re-send is safe and useful, counted by outcome on the admin ``/metrics``, logged with the request
+id and a hint but never the key, and the request's final outcome reaches its access line once.
 
 Nothing queues without bound: against a hanging endpoint the per-engine queue fills up to exactly
 ``MAX_QUEUED_IDS``, the overflow is ``dropped``, and the queued ids go out once each when the
@@ -35,12 +35,8 @@ from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
 from engine.vllm import MAX_IDS_PER_CALL
-from sidecar.abort import (
-    ABORT_STATUS_HINTS,
-    MAX_CALLS_PER_ENGINE,
-    MAX_QUEUED_IDS,
-    backoff,
-)
+from sidecar.abort_call import ABORT_STATUS_HINTS, backoff
+from sidecar.abort_queue import MAX_CALLS_PER_ENGINE, MAX_QUEUED_IDS
 from sidecar.app import ABORT_DRAIN_S
 from sidecar.server import Servers
 from tests.conftest import sidecar_settings

@@ -43,7 +43,7 @@ from pathlib import Path
 import psutil
 import pytest
 
-from sidecar.abort import MAX_CALLS_PER_ENGINE
+from sidecar.abort_queue import MAX_CALLS_PER_ENGINE
 from sidecar.config import AbortSettings
 from tests.fakes.kinds import Head, VLLMEngine, Work, stream_bytes
 from tests.harness import rawhttp
