@@ -38,10 +38,10 @@ So a call that fails transiently is retried (:mod:`sidecar.abort_call`), and a r
 re-sent while the engine may still be registering them or until it confirms (:meth:`Aborter.abort`).
 
 Each call runs in its own named task, so it survives the cancelled handler that asked for it and
-never delays the upstream close or other traffic. A call's outcomes (``ok``, ``http_<status>``,
-``timeout``, ``error``), counted per attempt, and its log lines are :mod:`sidecar.abort_call`'s;
-for a request also ``dropped``, and ``cancelled`` if the sidecar stopped first. Each request gets
-the final outcome of the call(s) that carried its ids, once, in
+never delays the upstream close or other traffic. A call's outcomes (``accepted``,
+``http_<status>``, ``timeout``, ``error``), counted per attempt, and its log lines are
+:mod:`sidecar.abort_call`'s; for a request also ``dropped``, and ``cancelled`` if the sidecar
+stopped first. Each request gets the final outcome of the call(s) that carried its ids, once, in
 ``cancel_sidecar_aborted_requests_total``, the latency histogram and its access line.
 """
 

@@ -31,11 +31,11 @@ neither, since vLLM's handler does nothing that can fail transiently before it a
 asks the caller to slow down, which a retry within ~100 ms defeats. Never after a timeout:
 the engine hangs, the call may have landed, and the attempt's budget is spent.
 
-Outcomes of an attempt: ``ok``, ``http_<status>``, ``timeout``, ``error``;
-``cancel_sidecar_abort_calls_total`` counts every attempt by its outcome. One log line per
-attempt that failed (ids, requests, outcome, hint, whether it is retried) and one per call that
-succeeded; the bearer key is never logged. The lines keep the logger ``sidecar.abort``, as they
-were before they moved here.
+Outcomes of an attempt: ``accepted`` (a 2xx), ``http_<status>``, ``timeout``, ``error``;
+``cancel_sidecar_abort_calls_total`` counts every attempt by its outcome. One log line per attempt
+that failed (ids, requests, outcome, hint, whether it is retried) and one per call that succeeded;
+the bearer key is never logged. The lines keep the logger ``sidecar.abort``, as they were before
+they moved here.
 """
 
 from __future__ import annotations
@@ -105,7 +105,7 @@ def backoff(retry: int) -> float:
 class Answer:
     """How one attempt of an abort call ended."""
 
-    outcome: str  # ok, http_<status>, timeout, error
+    outcome: str  # accepted, http_<status>, timeout, error
     detail: str  # for the log: "HTTP 503", "ClientConnectorError: ...", "no answer within ..."
     hint: str  # what it usually means, or ""
     took: float  # seconds from sending to the answer
