@@ -15,7 +15,8 @@ Data flow for one request (modules named after the nouns)::
     client disconnect (aiohttp cancels the handler: proxy.py's Exchange, one request's life;
                        cancellation.py: its early end, what the sidecar does in between)
                    ──► upstream closed + engine abort (plan.py: which ids at which engines, by
-                       pure functions; abort.py: own task, bounded, counted;
+                       pure functions; abort.py: own task, bounded, counted, its queues
+                       in abort_queue.py, one call and its retries in abort_call.py;
                        one per abort engine of the route, concurrently, and one at the engine
                        a request header names if allowed: targets.py, llm-d's prefill pod)
 
