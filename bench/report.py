@@ -50,7 +50,8 @@ def machine(args: argparse.Namespace, command: str, started: float, nofile: int
         "nofile": nofile, "interval_ms": args.interval_ms, "tokens": args.tokens,
         "streams": args.streams, "workers": args.workers, "nginx_workers": args.nginx_workers,
         "sweep_streams": args.sweep_streams, "sweep_rates": args.sweep_rates,
-        "sweep_s": args.sweep_s, "cpu_rate": args.cpu_rate, "idle": args.idle,
+        "sweep_s": args.sweep_s, "sweep_refine": args.sweep_refine, "cpu_rate": args.cpu_rate,
+        "idle": args.idle,
         "storm": args.storm, "close": args.close, "storm_interval_ms": args.storm_interval_ms,
         "storm_reps": args.storm_reps, "storm_api_servers": args.storm_api_servers,
         "phases": args.phases,
@@ -476,7 +477,9 @@ def render(results: dict[str, Any]) -> str:
         "## Most SSE events per second held",
         "",
         f"{meta['sweep_streams']} streams, the offered rate raised by shortening the interval "
-        f"({meta['sweep_s']} s per level) until a level fails. A level holds when at least "
+        f"({meta['sweep_s']} s per level) until a level fails, then "
+        f"{meta.get('sweep_refine', 0)} more levels bisecting the gap between the last level "
+        "held and the first failed (the top rates are ~20% apart). A level holds when at least "
         "90% of the offered events arrive and p99 inter-token latency, as a multiple of the "
         "interval, is at most twice that multiple at the lowest rate (the issue's \"p99 "
         "inter-token latency doubles\"; normalised because the interval shrinks as the rate "

@@ -107,6 +107,9 @@ def parser() -> argparse.ArgumentParser:
                         "80000)")
     p.add_argument("--sweep-s", type=float, default=None,
                    help="seconds per sweep level (default 3)")
+    p.add_argument("--sweep-refine", type=int, default=None,
+                   help="levels bisected between the last rate held and the first failed "
+                        "(default 2; 0 with --quick)")
     p.add_argument("--cpu-rate", type=int, default=None,
                    help="offered events/s at which CPU per 100,000 events is read (default "
                         "the second sweep rate)")
@@ -146,6 +149,8 @@ def defaults(args: argparse.Namespace) -> None:
                                             [5000, 10000, 20000, 30000, 40000, 50000, 60000,
                                              80000])
     args.sweep_s = args.sweep_s or (1.0 if q else 3.0)
+    if args.sweep_refine is None:
+        args.sweep_refine = 0 if q else 2
     args.cpu_rate = args.cpu_rate or args.sweep_rates[min(1, len(args.sweep_rates) - 1)]
     args.idle = args.idle or ([50] if q else [1000, 10000])
     args.storm = args.storm or (20 if q else 1000)
@@ -311,24 +316,20 @@ class Bench:
         for path in self.paths:
             levels: list[dict[str, Any]] = []
             for rate in args.sweep_rates:
-                interval_us = max(1000, round(args.sweep_streams * 1e6 / rate))
-                tokens = max(10, round(args.sweep_s * 1e6 / interval_us))
-                r = await self.streams(path, args.sweep_streams, tokens, interval_us,
-                                       probe=False)
-                offered = args.sweep_streams * 1e6 / interval_us
-                level = {"offered_per_s": offered, "interval_us": interval_us,
-                         "delivered_per_s": r["events_per_s"], "events": r["main"]["events"],
-                         "itl_p99_ms": r["main"]["itl_ms"].get("p99"),
-                         "delivery_p99_ms": r["main"]["delivery_ms"].get("p99"),
-                         "errors": r["main"]["errors"], "timed_out": r["timed_out"],
-                         "cpu_s": r["cpu_s"]}
-                level["held"] = held(level, levels[0] if levels else level)
-                levels.append(level)
-                log(f"sweep    {path:<10} offered {offered:>8.0f}/s delivered "
-                    f"{level['delivered_per_s']:>8.0f}/s itl p99 {level['itl_p99_ms']} ms "
-                    f"held {level['held']} cpu {r['cpu_s']}")
-                if not level["held"]:
+                if not (await self.sweep_level(path, rate, levels))["held"]:
                     break
+            # The rates step ~20% at the top: a level that fails by a hair would set the most
+            # held a whole step lower. Bisect between the last held and the first failed.
+            failed = levels[-1]
+            if not failed["held"] and len(levels) > 1:
+                low, high = levels[-2]["offered_per_s"], failed["offered_per_s"]
+                for _ in range(args.sweep_refine):
+                    middle = (low + high) / 2
+                    if (await self.sweep_level(path, middle, levels))["held"]:
+                        low = middle
+                    else:
+                        high = middle
+                levels.sort(key=lambda lv: lv["offered_per_s"])
             ok = [lv for lv in levels if lv["held"]]
             cpu_level = next((lv for lv in levels if lv["offered_per_s"] >= args.cpu_rate * 0.99),
                              None)
@@ -342,6 +343,29 @@ class Bench:
                                    else None),
             }
         self.results["phases"]["sweep"] = out
+
+    async def sweep_level(self, path: str, rate: float,
+                          levels: list[dict[str, Any]]) -> dict[str, Any]:
+        """One sweep level: ``sweep_streams`` streams offering ``rate`` events/s for
+        ``sweep_s`` seconds through ``path``; appended to ``levels`` (the first: the base of
+        :func:`held`) and returned."""
+        args = self.args
+        interval_us = max(1000, round(args.sweep_streams * 1e6 / rate))
+        tokens = max(10, round(args.sweep_s * 1e6 / interval_us))
+        r = await self.streams(path, args.sweep_streams, tokens, interval_us, probe=False)
+        offered = args.sweep_streams * 1e6 / interval_us
+        level = {"offered_per_s": offered, "interval_us": interval_us,
+                 "delivered_per_s": r["events_per_s"], "events": r["main"]["events"],
+                 "itl_p99_ms": r["main"]["itl_ms"].get("p99"),
+                 "delivery_p99_ms": r["main"]["delivery_ms"].get("p99"),
+                 "errors": r["main"]["errors"], "timed_out": r["timed_out"],
+                 "cpu_s": r["cpu_s"]}
+        level["held"] = held(level, levels[0] if levels else level)
+        levels.append(level)
+        log(f"sweep    {path:<10} offered {offered:>8.0f}/s delivered "
+            f"{level['delivered_per_s']:>8.0f}/s itl p99 {level['itl_p99_ms']} ms "
+            f"held {level['held']} cpu {r['cpu_s']}")
+        return level
 
     def idle_proxy(self, path: str, k: int) -> tuple[str, Proc] | None:
         """The proxy process tree to hold ``k`` idle streams for ``path``: the sidecar with the
