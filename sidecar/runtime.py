@@ -35,8 +35,11 @@ NEEDS_RESTART = ("listen", "admin", "log_level", "log_format")
 # Keys of a reloadable section that only a restart applies: ``downstream.idle_timeout_s`` is
 # each listener's aiohttp ``keepalive_timeout``, fixed when the listener starts
 # (``sidecar.server.start``); the other ``downstream`` keys are read per request from the
-# generation it runs on.
-RESTART_KEYS: dict[str, tuple[str, ...]] = {"downstream": ("idle_timeout_s",)}
+# generation it runs on. ``lifecycle.record_dir``: each process opens its record of in-flight
+# work once, at start (``sidecar.app.open_record``), and a supervisor reads its workers' records
+# where it started (``sidecar.workers``).
+RESTART_KEYS: dict[str, tuple[str, ...]] = {"downstream": ("idle_timeout_s",),
+                                            "lifecycle": ("record_dir",)}
 
 CANCEL_WAIT_S = 5.0  # after the grace period: how long cancelled handlers may take to unwind
 

@@ -250,9 +250,11 @@ class LifecycleSettings(_Model):
     """How the sidecar stops (SIGTERM/SIGINT).
 
     ``grace_period_s``: seconds in-flight requests may take to finish after new connections are
-    refused; what is still running then is cancelled (upstream closed, engine aborted), and the
-    abort calls get up to a further ``engines.*.abort.timeout_s``. The orchestrator's kill
-    deadline (Kubernetes: ``terminationGracePeriodSeconds``) must exceed the sum.
+    refused; what is still running then is cancelled (upstream closed, engine aborted): the
+    cancelled handlers get up to 5 s more to unwind (``sidecar.runtime.CANCEL_WAIT_S``) and the
+    abort calls up to 5 s more to finish (``sidecar.app.ABORT_DRAIN_S``). The orchestrator's kill
+    deadline (Kubernetes: ``terminationGracePeriodSeconds``) must exceed the sum plus
+    ``engines.*.abort.timeout_s`` (docs/operations.md, "Signals").
 
     ``record_dir``: the directory of the record of in-flight engine work that a killed sidecar
     process leaves to abort (:mod:`sidecar.inflight`; default :func:`default_record_dir`);

@@ -13,6 +13,7 @@ from __future__ import annotations
 import asyncio
 import time
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -156,3 +157,18 @@ def test_idle_timeout_change_needs_a_restart_other_downstream_keys_reload() -> N
     applied, restart = describe_changes(config(), config(idle_timeout_s=10))
     assert (applied, restart) == ([], ["downstream.idle_timeout_s: 75.0 -> 10.0"]), (
         f"an idle_timeout_s change alone applies nothing, got {applied}, {restart}")
+
+
+def test_record_dir_change_needs_a_restart_grace_period_reloads(tmp_path: Path) -> None:
+    """SIGHUP: the record of in-flight work stays where the process opened it at start (a
+    reload logged it as applied and kept writing to the old directory); the grace applies."""
+    def config(**lifecycle: Any) -> Any:
+        tree = {"engines": {"e": {"kind": "vllm", "url": "http://127.0.0.1:8000"}},
+                "routes": [{"prefix": "/", "engine": "e"}],
+                "lifecycle": {"record_dir": str(tmp_path / "a"), **lifecycle}}
+        return parse_config(yaml.safe_dump(tree), "<test>", env={})
+
+    applied, restart = describe_changes(
+        config(), config(record_dir=str(tmp_path / "b"), grace_period_s=3))
+    assert restart == [f"lifecycle.record_dir: {tmp_path / 'a'} -> {tmp_path / 'b'}"], restart
+    assert applied == ["lifecycle.grace_period_s: 30.0 -> 3.0"], applied
