@@ -45,10 +45,10 @@ engine closes anyway is reopened (a new accept race, as at startup).
 
 Only what an abort call needs: ``POST`` with a JSON body and the bearer key, a status back, the
 answer body read and dropped, never a redirect followed. Failures raise :class:`AbortWireError`
-(``transient``: worth another attempt, as :func:`sidecar.abort.transient` decides for statuses).
-A call written to a reused connection that the engine closed before answering (it closed its
-idle end just as the call went out) is written once more on a fresh connection at once:
-re-sending an abort is safe (see :mod:`sidecar.abort`).
+(``transient``: worth another attempt, as :func:`sidecar.abort_call.transient` decides for
+statuses). A call written to a reused connection that the engine closed before answering (it
+closed its idle end just as the call went out) is written once more on a fresh connection at
+once: re-sending an abort is safe (see :mod:`sidecar.abort`).
 """
 
 from __future__ import annotations
