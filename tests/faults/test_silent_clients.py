@@ -17,9 +17,8 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-import yaml
 
-from sidecar.config import parse_config
+from sidecar.config import Settings
 from sidecar.runtime import describe_changes
 from sidecar.server import Servers
 from tests.conftest import sidecar_settings
@@ -28,6 +27,7 @@ from tests.harness import rawhttp
 
 IDLE_S = 0.5
 GUARD_S = 10.0  # generous: the machine is shared
+ENGINE_URL = "http://127.0.0.1:8000"  # the reload tests compare configs; nothing is called
 
 
 @pytest.fixture
@@ -146,10 +146,8 @@ async def test_requests_longer_than_the_idle_timeout_are_never_cut(
 
 def test_idle_timeout_change_needs_a_restart_other_downstream_keys_reload() -> None:
     """SIGHUP: ``downstream.idle_timeout_s`` is fixed per listener; the rest applies."""
-    def config(**downstream: Any) -> Any:
-        tree = {"engines": {"e": {"kind": "vllm", "url": "http://127.0.0.1:8000"}},
-                "routes": [{"prefix": "/", "engine": "e"}], "downstream": downstream}
-        return parse_config(yaml.safe_dump(tree), "<test>", env={})
+    def config(**downstream: Any) -> Settings:
+        return sidecar_settings(ENGINE_URL, downstream=downstream)
 
     applied, restart = describe_changes(config(), config(idle_timeout_s=10, body_timeout_s=5))
     assert restart == ["downstream.idle_timeout_s: 75.0 -> 10.0"], restart
@@ -162,11 +160,9 @@ def test_idle_timeout_change_needs_a_restart_other_downstream_keys_reload() -> N
 def test_record_dir_change_needs_a_restart_grace_period_reloads(tmp_path: Path) -> None:
     """SIGHUP: the record of in-flight work stays where the process opened it at start (a
     reload logged it as applied and kept writing to the old directory); the grace applies."""
-    def config(**lifecycle: Any) -> Any:
-        tree = {"engines": {"e": {"kind": "vllm", "url": "http://127.0.0.1:8000"}},
-                "routes": [{"prefix": "/", "engine": "e"}],
-                "lifecycle": {"record_dir": str(tmp_path / "a"), **lifecycle}}
-        return parse_config(yaml.safe_dump(tree), "<test>", env={})
+    def config(**lifecycle: Any) -> Settings:
+        return sidecar_settings(ENGINE_URL,
+                                lifecycle={"record_dir": str(tmp_path / "a"), **lifecycle})
 
     applied, restart = describe_changes(
         config(), config(record_dir=str(tmp_path / "b"), grace_period_s=3))
