@@ -35,6 +35,7 @@ from sidecar.errors import ConfigError, ListenError
 from sidecar.keys import RUNTIME, TASKS
 from sidecar.logs import LogFormat, configure_logging
 from sidecar.readiness import startup_check
+from sidecar.runtime import with_pinned
 
 log = logging.getLogger("sidecar")
 
@@ -67,6 +68,9 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--worker-port", type=int, default=None, help=argparse.SUPPRESS)
     # Internal: the Unix socket where a worker serves its cancel API to the supervisor.
     p.add_argument("--worker-control", type=Path, default=None, help=argparse.SUPPRESS)
+    # Internal: the restart-only values of the config the supervisor started with, which a
+    # worker keeps whatever the file says now (sidecar.runtime.with_pinned).
+    p.add_argument("--worker-pinned", default=None, help=argparse.SUPPRESS)
     return p
 
 
@@ -145,6 +149,8 @@ def main(argv: list[str] | None = None) -> int:
     except ConfigError as exc:
         print(exc, file=sys.stderr)
         return 1
+    if args.worker_pinned is not None:
+        settings = with_pinned(settings, args.worker_pinned)
     if args.check_config:
         print(f"{args.config}: OK ({len(settings.engines)} engine(s), "
               f"{len(settings.routes)} route(s))")

@@ -17,6 +17,7 @@ State shared by every generation (metrics, the abort session and its TaskSet) st
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
 from dataclasses import dataclass, field
 from typing import Any
@@ -40,6 +41,13 @@ NEEDS_RESTART = ("listen", "admin", "log_level", "log_format")
 # where it started (``sidecar.workers``).
 RESTART_KEYS: dict[str, tuple[str, ...]] = {"downstream": ("idle_timeout_s",),
                                             "lifecycle": ("record_dir",)}
+# What a supervised worker takes from the config its supervisor started with rather than from the
+# file (sidecar.workers): a worker started after a SIGHUP (a replacement) reads the file as it is
+# then, and would otherwise apply a restart-only change that its supervisor and the other workers
+# do not; above all ``lifecycle.record_dir``, where the supervisor reads the records of dead
+# workers. Not ``admin``: a worker serves no admin listener, and its token is a secret, which
+# never goes on a command line.
+WORKER_PINNED = ("listen", "log_level", "log_format")
 
 CANCEL_WAIT_S = 5.0  # after the grace period: how long cancelled handlers may take to unwind
 
@@ -142,6 +150,33 @@ class Runtimes:
         """Close every generation's upstream connections (at teardown, after :meth:`drain`)."""
         runtimes, self._retired = [*self._retired, self.current], []
         await asyncio.gather(*(r.close() for r in runtimes))
+
+
+def pinned_for_workers(settings: Settings) -> str:
+    """The restart-only values of ``settings`` a worker keeps (:data:`WORKER_PINNED` and
+    :data:`RESTART_KEYS`), as the JSON text of :func:`with_pinned`; nothing secret."""
+    values: dict[str, Any] = {name: settings.model_dump(mode="json", include={name})[name]
+                              for name in WORKER_PINNED}
+    for section, keys in RESTART_KEYS.items():
+        values[section] = getattr(settings, section).model_dump(mode="json", include=set(keys))
+    return json.dumps(values, separators=(",", ":"))
+
+
+def with_pinned(settings: Settings, pinned: str) -> Settings:
+    """``settings`` (the file as read now) with the restart-only values of ``pinned``
+    (:func:`pinned_for_workers` of the config the supervisor started with). Raises
+    ``ValueError`` (pydantic's ``ValidationError`` among them) if ``pinned`` is not such text."""
+    values = json.loads(pinned)
+    update: dict[str, Any] = {}
+    for name in WORKER_PINNED:
+        field = getattr(settings, name)
+        update[name] = (type(field).model_validate(values[name]) if hasattr(field, "model_dump")
+                        else values[name])
+    for section in RESTART_KEYS:
+        current = getattr(settings, section)
+        update[section] = type(current).model_validate({**current.model_dump(),
+                                                        **values[section]})
+    return Settings.model_validate({**dict(settings), **update})
 
 
 def describe_changes(old: Settings, new: Settings) -> tuple[list[str], list[str]]:

@@ -23,7 +23,10 @@ ready line (``cancel-sidecar worker: proxy on HOST:PORT``, or its JSON form: the
 same ready line as a single process.
 
 Signals: SIGTERM/SIGINT and SIGHUP are forwarded to every worker (each drains, or reloads the
-file, on its own); SIGHUP also reloads the supervisor's engines for ``/readyz``. The startup check
+file, on its own); SIGHUP also reloads the supervisor's engines for ``/readyz``. A worker keeps
+the restart-only values of the config the supervisor started with (``--worker-pinned``:
+:func:`sidecar.runtime.with_pinned`), so a replacement started after a SIGHUP writes its record
+of in-flight work where the supervisor reads it, as the others do. The startup check
 (:mod:`sidecar.readiness`) runs here, once, not in the workers.
 
 A worker that dies unasked (SIGKILL, the OOM killer, a crash) is replaced at once: a new worker
@@ -72,7 +75,7 @@ from sidecar.downstream import DownstreamRunner
 from sidecar.logs import LogFormat
 from sidecar.metrics import Metrics
 from sidecar.readiness import startup_check
-from sidecar.runtime import Runtime, Runtimes, describe_changes
+from sidecar.runtime import Runtime, Runtimes, describe_changes, pinned_for_workers
 from sidecar.server import ReadyLine
 from sidecar.tasks import TaskSet
 
@@ -286,7 +289,8 @@ class Supervisor:
         control_args = [] if self.settings.admin is None else ["--worker-control", str(control)]
         proc = await asyncio.create_subprocess_exec(
             sys.executable, "-m", "sidecar", "--config", str(self.config),
-            "--worker-port", str(port), *control_args, *self.worker_args,
+            "--worker-port", str(port), *control_args,
+            "--worker-pinned", pinned_for_workers(self.settings), *self.worker_args,
             stdin=asyncio.subprocess.DEVNULL, stdout=asyncio.subprocess.PIPE,
             env=self._worker_env())
         self.procs.append(proc)

@@ -15,6 +15,7 @@ import pytest
 from engine import ADAPTERS
 from sidecar.config import parse_config
 from sidecar.errors import ConfigError
+from sidecar.runtime import describe_changes, pinned_for_workers, with_pinned
 from tests.harness.cli_process import cli_process, config_tree
 
 SECRET = "sk-very-secret-value"
@@ -718,3 +719,27 @@ def test_an_engine_on_another_port_or_host_is_no_loop() -> None:
                         ("{host: 127.0.0.1, port: 8080}", "http://10.0.0.5:8080")):
         parse_config(f"listen: {listen}\nengines:\n  a: {{kind: vllm, url: '{url}'}}\n"
                      + ROUTES, "<test>", env={})
+
+
+def test_a_worker_keeps_its_supervisor_s_restart_only_values_and_no_secret() -> None:
+    """``--worker-pinned`` (sidecar.runtime): the restart-only values of the config the
+    supervisor started with, applied over the file a later worker reads; the reloadable ones
+    stay the file's, and no secret is in the text (it goes on the worker's command line)."""
+    base = ("engines: {local: {kind: vllm, url: 'http://127.0.0.1:8000',"
+            " abort: {api_key: engine-secret-1}}}\n"
+            "routes: [{prefix: /, engine: local}]\n"
+            "admin: {cancel_token: cancel-secret-2}\n")
+    started = parse_config(base + "lifecycle: {record_dir: /var/lib/a}\nlog_level: DEBUG\n"
+                           "listen: {port: 8111}\ndownstream: {idle_timeout_s: 30}\n")
+    now = parse_config(base + "lifecycle: {record_dir: /var/lib/b, grace_period_s: 7}\n"
+                       "log_level: ERROR\nlisten: {port: 8222}\n"
+                       "downstream: {idle_timeout_s: 60, max_body_bytes: 1000}\n")
+    pinned = pinned_for_workers(started)
+    assert "secret" not in pinned
+    kept = with_pinned(now, pinned)
+    assert kept.lifecycle.record_dir == Path("/var/lib/a")
+    assert (kept.log_level, kept.listen.port, kept.downstream.idle_timeout_s) == ("DEBUG", 8111,
+                                                                                  30)
+    assert (kept.lifecycle.grace_period_s, kept.downstream.max_body_bytes) == (7, 1000)
+    assert describe_changes(started, kept)[1] == []  # nothing restart-only differs
+    assert kept.engines == now.engines and kept.admin == now.admin

@@ -18,6 +18,10 @@ the registration window when the kill lands). "Stopped" is read at the engine (`
   with its whole process group killed): SIGKILL at a random instant, 20 trials each, then the
   same config started again: 2 s after it listens nothing runs at the engine; what completed
   before the kill is never named.
+- ``test_a_worker_started_after_a_reload_writes_its_record_where_the_supervisor_reads``: a
+  SIGHUP moves ``lifecycle.record_dir`` (restart-only), both workers are replaced, then one of
+  the replacements is killed under load: its requests stop within 1 s (they ran on without
+  ``--worker-pinned``: the replacement wrote its record in the new directory).
 """
 
 from __future__ import annotations
@@ -316,3 +320,41 @@ async def test_a_killed_sidecar_s_work_stops_after_its_restart(
           f"restart's listening (negative: before it): median {quiet_after[TRIALS // 2] * 1000:.0f}"
           f" ms, max {quiet_after[-1] * 1000:.0f} ms")
 
+
+
+async def test_a_worker_started_after_a_reload_writes_its_record_where_the_supervisor_reads(
+        fake: VLLMEngine, tmp_path: Path) -> None:
+    """``lifecycle.record_dir`` needs a restart: after a SIGHUP that changes it, the workers that
+    replace dead ones keep the directory the supervisor started with (``--worker-pinned``), so
+    when such a worker dies in turn, the supervisor finds its record and its requests stop at
+    the engine within 1 s, as any dead worker's do."""
+    started_with, changed_to = tmp_path / "records", tmp_path / "records-after-reload"
+    config = tree(fake)
+    config["lifecycle"]["record_dir"] = str(started_with)
+    async with cli_process(tmp_path, config, "--workers", "2") as cli:
+        config["lifecycle"]["record_dir"] = str(changed_to)
+        cli.write_config(config)
+        cli.signal(signal.SIGHUP)
+        logged = await cli.wait_log("lifecycle.record_dir", 10)  # "... ignored: ... restart"
+        for victim in workers_of(cli.proc.pid):  # both workers replaced after the reload
+            victim.kill()
+            logged = await cli.wait_log(f"replaces worker {victim.pid}", 10, after=logged)
+        load = Load(cli.proxy_port, seed=3)
+        load.start(0)
+        await asyncio.sleep(0.8)
+        assert any(w.running for w in fake.works), "expected requests running at the engine"
+        victim = workers_of(cli.proc.pid)[0]
+        victim.kill()
+        killed = time.monotonic()
+        await asyncio.sleep(STOPPED_WITHIN_S)
+        live = {c.tag for c in load.clients if c.whole_at is None and not c.cut}
+        orphaned = {tag_of(w) for w in fake.works if w.running} - live
+        assert not orphaned, (
+            f"{len(orphaned)} request(s) of the dead replacement still running "
+            f"{STOPPED_WITHIN_S} s after the kill: {sorted(orphaned)[:5]}")
+        stopped = [w for w in fake.works if w.stopped_at is not None and w.stopped_at > killed]
+        recovered = await metric(cli.admin_port, "cancel_sidecar_recovered_requests_total",
+                                 reason="worker_died")
+        assert stopped and recovered >= 1, (len(stopped), recovered)
+        await load.stop()
+        assert not changed_to.exists(), sorted(changed_to.iterdir())
