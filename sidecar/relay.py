@@ -46,6 +46,7 @@ from multidict import CIMultiDict, CIMultiDictProxy
 from sidecar.errors import (
     UpstreamDisconnected,
     UpstreamError,
+    UpstreamFirstByteTimeout,
     UpstreamProtocolError,
     UpstreamReadTimeout,
 )
@@ -333,6 +334,15 @@ class UpstreamResponse:
             self.head.exception()  # retrieved: a re-sent attempt may never await it
         elif self.done is not None and not self.done.done():
             self.done.set_exception(exc)
+
+    def expire(self, timeout_s: float) -> None:
+        """No head within ``timeout_s`` (``upstream.first_byte_timeout_s``:
+        :class:`sidecar.pool.FirstByteTimer`): the wait for it raises
+        :class:`UpstreamFirstByteTimeout`. Not a failure of the response: whoever was told of it
+        closes it, or reads the engine's answer to the abort on it (:meth:`watch`)."""
+        if not self.head.done():
+            self.head.set_exception(UpstreamFirstByteTimeout(
+                f"no response from {self.connection.origin} within {timeout_s}s"))
 
     def close(self) -> None:
         """A response not read to its end: its connection is never used again."""

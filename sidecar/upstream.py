@@ -269,12 +269,12 @@ async def open_upstream(
     read on it); without ``sent`` it is closed.
     """
     engine = origin(base_url)
+    timeout_s = settings.first_byte_timeout_s
     fresh = False
     while True:
         try:
-            async with asyncio.timeout(settings.first_byte_timeout_s):
-                return await _attempt(pool, engine, method, target, headers, body, fresh,
-                                      sent)
+            return await _attempt(pool, engine, method, target, headers, body, fresh, sent,
+                                  timeout_s)
         except DownstreamError:
             raise
         except UpstreamDisconnected as exc:
@@ -286,9 +286,9 @@ async def open_upstream(
             raise
         except UpstreamError:
             raise
-        except TimeoutError as exc:
+        except TimeoutError as exc:  # waiting for a pool slot or a connection
             raise UpstreamFirstByteTimeout(
-                f"no response from {engine} within {settings.first_byte_timeout_s}s") from exc
+                f"no response from {engine} within {timeout_s}s") from exc
 
 
 def request_head(method: str, target: str, origin: Origin, headers: CIMultiDict[str],
@@ -305,12 +305,19 @@ def request_head(method: str, target: str, origin: Origin, headers: CIMultiDict[
 
 
 async def _attempt(pool: UpstreamPool, engine: Origin, method: str, target: str,
-                   headers: CIMultiDict[str], body: RequestBody,
-                   fresh: bool,
-                   sent: Callable[[UpstreamResponse], None] | None = None) -> UpstreamResponse:
+                   headers: CIMultiDict[str], body: RequestBody, fresh: bool,
+                   sent: Callable[[UpstreamResponse], None] | None,
+                   timeout_s: float | None) -> UpstreamResponse:
     """One attempt: the head and what is already here of the body written in one write, the
-    rest of the body relayed by a task of its own (the engine may answer before it ends)."""
-    connection = await pool.connection(engine, fresh)
+    rest of the body relayed by a task of its own (the engine may answer before it ends). The
+    response head is due within ``timeout_s`` (``None``: no limit), a pool slot and a new
+    connection included: :class:`UpstreamFirstByteTimeout` (or ``TimeoutError`` before the
+    request went out, which :func:`open_upstream` words the same)."""
+    deadline = None if timeout_s is None else asyncio.get_running_loop().time() + timeout_s
+    connection = None if fresh else pool.reuse(engine)
+    if connection is None:  # a slot to wait for, or a connection to open
+        async with asyncio.timeout_at(deadline):
+            connection = await pool.connection(engine, fresh)
     try:
         parts, whole = body.to_send()
     except DownstreamError:
@@ -332,6 +339,8 @@ async def _attempt(pool: UpstreamPool, engine: Origin, method: str, target: str,
     response = connection.send(head, [chunk_frame(p) for p in parts] if chunked else parts,
                                head_only=method == "HEAD")
     written = time.monotonic()
+    if timeout_s is not None and deadline is not None:
+        pool.first_byte.start(response, deadline, timeout_s)
     if sent is not None:
         sent(response)
     if not whole:
@@ -343,7 +352,7 @@ async def _attempt(pool: UpstreamPool, engine: Origin, method: str, target: str,
         exc.stale = connection.reused and time.monotonic() - written <= STALE_LOSS_S
         response.close()
         raise
-    except asyncio.CancelledError:
+    except (asyncio.CancelledError, UpstreamFirstByteTimeout):
         # The handler was cancelled (its client left, the cancel API, a deadline) or the first
         # byte timed out: whoever was told of the response (``sent``) closes it, or hands it
         # to a watcher that reads the engine's confirmation of the abort.
@@ -353,6 +362,8 @@ async def _attempt(pool: UpstreamPool, engine: Origin, method: str, target: str,
     except BaseException:
         response.close()
         raise
+    finally:
+        pool.first_byte.stop(response)
     return response
 
 

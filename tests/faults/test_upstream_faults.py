@@ -299,6 +299,44 @@ async def test_silent_upstream_is_a_504_after_first_byte_timeout(
     assert len(upstream.requests) == 1, f"expected one request upstream, {upstream.requests}"
 
 
+async def test_each_request_times_out_at_its_own_first_byte_deadline(
+        engine: FakeEngine, start_sidecar: StartSidecar) -> None:
+    """One loop timer serves every waiting head (sidecar.pool.FirstByteTimer): a request on a
+    pooled connection and one 1 s later on a new connection each get their 504 about
+    ``first_byte_timeout_s`` after their own start (the first one's, not at the second's deadline,
+    1.4 s after it started), their engine requests are aborted, and the
+    pool serves on."""
+    servers = await start_sidecar(sidecar_settings(
+        engine.url, upstream={"first_byte_timeout_s": 0.4}))
+    chat = post_json(CHAT, {"stream": True})
+    async with asyncio.timeout(GUARD_S):
+        first = await rawhttp.exchange(servers.proxy_port, chat)  # pools its connection
+        assert first.status == 200, first.status
+
+        async def timed(delay_s: float) -> tuple[int, bytes, float]:
+            await asyncio.sleep(delay_s)
+            started = time.monotonic()
+            resp = await rawhttp.exchange(servers.proxy_port, post_json(
+                f"{CHAT}?first_byte_delay=5", {"stream": True}))
+            return resp.status, resp.body, time.monotonic() - started
+
+        answers = await asyncio.gather(timed(0), timed(1.0))
+        for status, body, took in answers:
+            assert_openai_error(status, body, 504, "upstream_timeout")
+            assert 0.35 <= took < 0.9, f"expected each 504 ~0.4 s after its start: {answers}"
+        after = await rawhttp.exchange(servers.proxy_port, chat)
+        assert after.status == 200 and sse_events(after.body)[-1:] == [b"data: [DONE]"], after
+        delayed = engine.record.generations[1:3]
+        stopped = engine.record.stopped_event  # aborted after the 504s went out
+        while True:
+            stopped.clear()
+            if all(g.stopped_at for g in delayed):
+                break
+            await stopped.wait()
+    assert all(g.aborted_at for g in delayed), delayed
+    assert len(set(engine.record.aborted_ids())) == 2, engine.record.aborted_ids()
+
+
 async def test_connect_timeout_is_a_504(start_sidecar: StartSidecar) -> None:
     with unconnectable_port() as port:
         servers = await start_sidecar(sidecar_settings(
