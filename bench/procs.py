@@ -86,13 +86,14 @@ class Proc:
             await self.proc.wait()
 
 
-async def _spawn(name: str, argv: list[str], log_dir: Path, *, stdin: bool = False) -> Proc:
+async def _spawn(name: str, argv: list[str], log_dir: Path, *, stdin: bool = False,
+                 cwd: Path = REPO) -> Proc:
     # Plain files, not pipes: nothing has to read them for the child to go on writing.
     out = open(log_dir / f"{name}.stdout", "wb")  # noqa: ASYNC230 - local file, at start
     err = open(log_dir / f"{name}.stderr", "wb")  # noqa: ASYNC230
     try:
         proc = await asyncio.create_subprocess_exec(
-            *argv, cwd=REPO, stdout=asyncio.subprocess.PIPE if stdin else out, stderr=err,
+            *argv, cwd=cwd, stdout=asyncio.subprocess.PIPE if stdin else out, stderr=err,
             stdin=asyncio.subprocess.PIPE if stdin else asyncio.subprocess.DEVNULL)
     finally:
         out.close()
@@ -124,9 +125,10 @@ async def start_engine(log_dir: Path, api_servers: int = 1, name: str = "engine"
 
 
 async def start_sidecar(log_dir: Path, engine_port: int, workers: int,
-                        name: str | None = None) -> Proc:
+                        name: str | None = None, repo: Path = REPO) -> Proc:
     """``python -m sidecar --config FILE --workers N`` in front of the engine, WARNING logs;
-    the process is named ``name`` (default ``sidecar-wN``) in the run's logs."""
+    the process is named ``name`` (default ``sidecar-wN``) in the run's logs; ``repo``: the
+    checkout whose ``sidecar`` package runs (default this one)."""
     name = name or f"sidecar-w{workers}"
     config = log_dir / f"{name}.yaml"
     config.write_text(yaml.safe_dump({
@@ -139,7 +141,7 @@ async def start_sidecar(log_dir: Path, engine_port: int, workers: int,
         "log_format": "text",
     }))
     proc = await _spawn(name, [sys.executable, "-m", "sidecar", "--config", str(config),
-                               "--workers", str(workers)], log_dir)
+                               "--workers", str(workers)], log_dir, cwd=repo)
     # The ready line (sidecar.server.ReadyLine): text here (log_format above); its JSON form's
     # msg holds the same text, so the search finds it in either.
     proc.port = int((await _wait_line(proc, r"cancel-sidecar: proxy on 127\.0\.0\.1:(\d+)"))[1])

@@ -12,6 +12,8 @@ import asyncio
 import random
 import socket
 import struct
+import subprocess
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -189,3 +191,15 @@ async def test_floor_relays_streams_and_aborts_a_client_that_left(
     finally:
         await floor.stop()
         await engine.stop()
+
+
+def test_ab_serves_every_probe_of_both_checkouts() -> None:
+    """``python -m bench.ab``: both sidecars answer every one-token request, and the table says
+    so for each (here the same checkout twice)."""
+    out = subprocess.run([sys.executable, "-m", "bench.ab", ".", ".", "--requests", "40",
+                          "--rounds", "2", "--warmup", "5", "--pause-ms", "4"],
+                         capture_output=True, text=True, timeout=120, check=True).stdout
+    rows = [line for line in out.splitlines() if line.startswith("| 0 |")
+            or line.startswith("| 1 |")]
+    assert len(rows) == 4 and all("| 40 (0 errors) |" in row for row in rows), out
+    assert out.count("B - A ") == 3, out
