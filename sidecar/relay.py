@@ -337,7 +337,7 @@ class UpstreamResponse:
 
     def expire(self, timeout_s: float) -> None:
         """No head within ``timeout_s`` (``upstream.first_byte_timeout_s``:
-        :class:`sidecar.pool.FirstByteTimer`): the wait for it raises
+        :class:`sidecar.pool.Deadlines`): the wait for it raises
         :class:`UpstreamFirstByteTimeout`. Not a failure of the response: whoever was told of it
         closes it, or reads the engine's answer to the abort on it (:meth:`watch`)."""
         if not self.head.done():
@@ -395,7 +395,6 @@ class UpstreamConnection(asyncio.Protocol):
         self.in_use = False  # counted against max_connections (UpstreamPool)
         self.idle = False  # in the pool's idle list
         self.reused = False  # taken from the idle list: it carried a request before
-        self.keepalive: asyncio.TimerHandle | None = None
         self._drained: asyncio.Future[None] | None = None  # while writing waits (pause_writing)
         self._reading = True
         self._ended = False  # retire() or end() was called: nothing more is written or pooled
@@ -493,8 +492,6 @@ class UpstreamConnection(asyncio.Protocol):
         self.relay_held()  # what the engine sent before it closed comes first
         self.transport = None
         self.resume_writing()  # an upload waiting to write finds the connection closed
-        if self.keepalive is not None:
-            self.keepalive.cancel()
         self.pool.lost(self)
         response = self.response
         if response is None or response.complete:

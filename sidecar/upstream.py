@@ -310,13 +310,13 @@ async def _attempt(pool: UpstreamPool, engine: Origin, method: str, target: str,
                    timeout_s: float | None) -> UpstreamResponse:
     """One attempt: the head and what is already here of the body written in one write, the
     rest of the body relayed by a task of its own (the engine may answer before it ends). The
-    response head is due within ``timeout_s`` (``None``: no limit), a pool slot and a new
-    connection included: :class:`UpstreamFirstByteTimeout` (or ``TimeoutError`` before the
-    request went out, which :func:`open_upstream` words the same)."""
-    deadline = None if timeout_s is None else asyncio.get_running_loop().time() + timeout_s
+    response head is due within ``timeout_s`` (``upstream.first_byte_timeout_s``; ``None``: no
+    limit) of the request's write (the pool's :class:`~sidecar.pool.Deadlines`), else
+    :class:`UpstreamFirstByteTimeout`; a wait for a pool slot or a new connection before it has
+    the same limit (``TimeoutError``, which :func:`open_upstream` words the same)."""
     connection = None if fresh else pool.reuse(engine)
     if connection is None:  # a slot to wait for, or a connection to open
-        async with asyncio.timeout_at(deadline):
+        async with asyncio.timeout(timeout_s):
             connection = await pool.connection(engine, fresh)
     try:
         parts, whole = body.to_send()
@@ -339,8 +339,8 @@ async def _attempt(pool: UpstreamPool, engine: Origin, method: str, target: str,
     response = connection.send(head, [chunk_frame(p) for p in parts] if chunked else parts,
                                head_only=method == "HEAD")
     written = time.monotonic()
-    if timeout_s is not None and deadline is not None:
-        pool.first_byte.start(response, deadline, timeout_s)
+    if pool.first_byte is not None:  # from here: the head within first_byte_timeout_s
+        pool.first_byte.set(response, connection.loop)
     if sent is not None:
         sent(response)
     if not whole:
@@ -363,7 +363,8 @@ async def _attempt(pool: UpstreamPool, engine: Origin, method: str, target: str,
         response.close()
         raise
     finally:
-        pool.first_byte.stop(response)
+        if pool.first_byte is not None:
+            pool.first_byte.clear(response)
     return response
 
 

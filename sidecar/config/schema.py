@@ -169,7 +169,8 @@ class UpstreamSettings(_Model):
     ``routes[].max_duration_s``).
 
     ``connect_timeout_s``: TCP connect, seconds. ``first_byte_timeout_s``: from the request being
-    sent until the response headers arrive (a non-streaming generation counts whole), seconds.
+    sent until the response headers arrive (a non-streaming generation counts whole), seconds;
+    a wait for a pool slot or a new connection before the request is sent has the same limit.
     ``read_timeout_s``: once the response headers arrived, the longest wait for the next body
     byte (a stream's first event after queueing and prefill counts; time spent writing to a slow
     client does not), seconds; then the client's response ends abnormally, the upstream

@@ -224,6 +224,36 @@ async def test_post_never_fails_on_a_stale_pooled_connection(
             "the test did not exercise staleness")
 
 
+async def test_an_idle_pooled_connection_is_closed_after_keepalive_timeout_s(
+        start_sidecar: StartSidecar) -> None:
+    """``upstream.keepalive_timeout_s`` counts from each time a connection goes back idle (the
+    pool's :class:`~sidecar.pool.Deadlines`): reused within it, then closed by the sidecar once
+    it passed, and the next request opens a new one."""
+    async with raw_upstream(_answer_body_len) as upstream:
+        servers = await start_sidecar(sidecar_settings(
+            upstream.url, upstream={"keepalive_timeout_s": 0.3}))
+        async with aiohttp.ClientSession() as session:
+            async def post() -> int:
+                async with asyncio.timeout(GUARD_S), session.post(
+                        proxy_url(servers, "/v1/echo_len"), data=b'{"a": 1}') as resp:
+                    await resp.read()
+                    return resp.status
+            def used() -> list[int]:  # the connections the proxied requests came on
+                return [r.connection for r in upstream.requests
+                        if r.head.startswith(b"POST /v1/echo")]
+            assert await post() == 200
+            await asyncio.sleep(0.2)  # idle, under the keep-alive timeout
+            assert await post() == 200
+            first, second = used()
+            assert first == second, "expected the idle connection reused"
+            await asyncio.sleep(0.15)  # 0.35 s after the first request, 0.15 after the second
+            assert first in upstream.open, "closed before keepalive_timeout_s from its last use"
+            await asyncio.sleep(0.65)
+            assert first not in upstream.open, "expected the idle connection closed by the sidecar"
+            assert await post() == 200
+            assert used()[2] != first, "expected a new connection"
+
+
 async def test_post_still_streaming_its_body_survives_a_stale_pooled_connection(
         start_sidecar: StartSidecar) -> None:
     """The stale connection drops while the client is still sending: the sidecar re-sends what it
