@@ -8,7 +8,8 @@ sidecars run at the same time, so the machine's state is the same for both:
 - one fake engine (:mod:`bench.engine`), and each checkout's sidecar in front of it (its
   ``python -m sidecar``, ``--workers 1``, with bench's config: :func:`bench.procs.start_sidecar`);
 - one client sends one-token streaming requests (the bench prober's) on one keep-alive connection
-  per sidecar, ``--pause-ms`` apart on each, B's offset from A's by half of that;
+  per sidecar, ``--pause-ms`` after each answer on each, one connection starting half of that
+  after the other (A first in even rounds, B in odd ones);
 - per round and sidecar: time to first token p50/p90 at the client (request written -> first
   event read) and the sidecar's CPU per request (psutil); then B - A per round, and its median
   over the rounds. A negative B - A: B is faster.
@@ -62,16 +63,20 @@ async def compare(checkouts: list[Path], requests: int, pause_ms: float, rounds:
                                                repo=checkout))
         await _round(proxies, warmup, pause_ms / 1e3)
         results = []
-        for _ in range(rounds):
+        for r in range(rounds):
             cpu = [p.cpu_s() for p in proxies]
-            samples = await _round(proxies, requests, pause_ms / 1e3)
+            # Which sidecar's requests lead alternates by round: a position effect cancels.
+            order = proxies if r % 2 == 0 else proxies[::-1]
+            samples = await _round(order, requests, pause_ms / 1e3)
+            if r % 2:
+                samples.reverse()
             row = []
             for proxy, before, got in zip(proxies, cpu, samples, strict=True):
                 ttft = percentiles(got.ttft)
                 row.append({"n": ttft["n"], "errors": got.errors,
                             "ttft_p50_us": ttft.get("p50", 0.0) * 1e3,
                             "ttft_p90_us": ttft.get("p90", 0.0) * 1e3,
-                            "cpu_us": (proxy.cpu_s() - before) / requests * 1e6})
+                            "cpu_us": (proxy.cpu_s() - before) / max(1, ttft["n"]) * 1e6})
             results.append(row)
         return results
     finally:

@@ -23,7 +23,7 @@ from typing import Generic, TypeVar
 
 from sidecar.config import UpstreamSettings
 from sidecar.errors import UpstreamConnectError, UpstreamConnectTimeout
-from sidecar.read_pacer import ReadPacer
+from sidecar.read_pacer import CLOCK_RESOLUTION_S, ReadPacer
 from sidecar.relay import Origin, UpstreamConnection, UpstreamResponse
 from sidecar.tasks import TaskSet
 
@@ -70,7 +70,10 @@ class Deadlines(Generic[K]):
         due = self._due
         while due:
             key, at = next(iter(due.items()))
-            if at > now:
+            # Due within the clock's resolution counts as due: uvloop rounds a timer's delay to
+            # whole milliseconds, fires at most that early, and a delay rounded to 0 runs in the
+            # next loop pass: re-armed there, it would spin until the clock ticks.
+            if at - now > CLOCK_RESOLUTION_S:
                 self._timer = loop.call_at(at, self._fire, loop)
                 return
             del due[key]
