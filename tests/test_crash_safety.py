@@ -321,7 +321,6 @@ async def test_a_killed_sidecar_s_work_stops_after_its_restart(
           f" ms, max {quiet_after[-1] * 1000:.0f} ms")
 
 
-
 async def test_a_worker_started_after_a_reload_writes_its_record_where_the_supervisor_reads(
         fake: VLLMEngine, tmp_path: Path) -> None:
     """``lifecycle.record_dir`` needs a restart: after a SIGHUP that changes it, the workers that
