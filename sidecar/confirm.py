@@ -110,7 +110,8 @@ class Confirmation:
     def held(self) -> bool:
         """True while what the engine sent waits in :class:`sidecar.read_pacer.ReadPacer` because
         clients are still leaving: held (:meth:`read_held` would do now what the pacer does
-        soon) or not read at all yet (parked: :meth:`~sidecar.read_pacer.ReadPacer.park`)."""
+        soon) or not read at all yet (parked: :meth:`~sidecar.read_pacer.ReadPacer.park`); or
+        the engine's close is read and on its way (:attr:`UpstreamConnection.reads_held`)."""
         return self.open and self.response.connection.reads_held
 
     def read_held(self) -> None:

@@ -114,13 +114,6 @@ def reset(client: RawClient) -> None:
     client.writer.transport.abort()
 
 
-# Reruns: on the 2026-12-05 machine (Intel Xeon, 2 cores) this fails about half the runs, at
-# 7551812 too (before that session's changes): some of the 300 ids are named by a second abort
-# call (546 namings of 300). A likely cause, not yet checked: the engine's drop of a connection
-# whose reads are parked by the ReadPacer is not seen before the abort's re-send is due. A second
-# call is harmless (re-sending an abort is safe), the exactly-once assertion stays; to fix, and
-# then these reruns go.
-@pytest.mark.flaky(reruns=4)
 async def test_engine_ending_its_side_on_the_abort_is_still_the_disconnect(
         aborting_engine: AbortingEngine, start_sidecar: Callable[..., Any],
         stalls: Stalls) -> None:
