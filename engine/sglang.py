@@ -27,8 +27,9 @@ and function, and where issue 4's claims hold):
   tokenizer worker drops a rid that is not exactly a live request's; otherwise the scheduler
   (``Scheduler.abort_request``) aborts every request whose rid ``startswith`` it. So an abort
   names each exact id; ``{id}_1`` also matching ``{id}_10`` stays within the same request.
-  Sidecar ids are ``uuid4().hex``: 32 characters each, and a string is a prefix of another of
-  the same length only if they are equal, so no request's ids reach another's.
+  Sidecar ids are 32 hex characters each (``sidecar.ticket.new_request_id``), and a string is
+  a prefix of another of the same length only if they are equal, so no request's ids reach
+  another's.
 - ``POST /v1/responses`` takes its id from the body field ``request_id`` (``ResponsesRequest``,
   default ``resp_{uuid4().hex}``; ``serving_responses.py`` passes ``rid=request.request_id``),
   so the sidecar sets ``request_id`` to ``resp_{id}`` and the abort names ``resp_{id}``. With

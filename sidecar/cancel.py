@@ -32,12 +32,11 @@ Where the request is looked up (a :data:`Canceller` under ``CANCELLER``)::
                     worker whose record the supervisor read is not asked: its requests are
                     known (200 worker_died), so an id found nowhere is 404
 
-Sidecar ids are ``uuid4().hex`` (:mod:`sidecar.proxy`), so at most one worker holds an id: the
-first 200 is the answer and the other asks are cancelled. A worker that does not answer within
-``WORKER_ANSWER_S`` (or refuses the connection) while another found the id changes nothing; if
-none found it, the answer is 502 rather than 404, because the request may be in flight in the
-worker that could not be asked, and a 404 would tell the caller it is not.
-"""
+Sidecar ids are 128 random bits (:func:`sidecar.ticket.new_request_id`), so at most one worker
+holds an id: the first 200 is the answer and the other asks are cancelled. A worker that does not
+answer within ``WORKER_ANSWER_S`` (or refuses the connection) while another found the id changes
+nothing; if none found it, the answer is 502 rather than 404, because the request may be in flight
+in the worker that could not be asked, and a 404 would tell the caller it is not."""
 
 from __future__ import annotations
 

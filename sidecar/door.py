@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-import uuid
 from collections.abc import Coroutine
 from typing import Any
 
@@ -29,6 +28,7 @@ from sidecar.metrics import Metrics
 from sidecar.replies import error_response
 from sidecar.route import RouteTarget
 from sidecar.runtime import Runtime
+from sidecar.ticket import new_request_id
 from sidecar.upstream import origin_form
 
 
@@ -46,7 +46,7 @@ def refuse(request: web.Request, status: int, message: str, error_type: str,
     line; once routed (``target``), the line names the route and engine, and
     ``cancel_sidecar_requests_total`` counts it (``metrics``): an unrouted request has no route
     label to count under."""
-    request_id, client_id = uuid.uuid4().hex, request.headers.get(REQUEST_ID)
+    request_id, client_id = new_request_id(), request.headers.get(REQUEST_ID)
     response = error_response(status, message, error_type, request_id, client_id)
     route, engine = (None, None) if target is None else (target.prefix, target.engine.name)
     RequestLog(request_id, request.method, request.path, route, engine, client_id

@@ -114,7 +114,8 @@ class InflightRecord:
                 head = self._engines[name, url] = json.dumps(
                     {"name": name, "url": url}, separators=(",", ":"))[:-1] + ',"ids":'
             parts.append(head + json.dumps(ids) + "}")  # the default encoder: the fast one
-        # sidecar_id: a uuid4 hex (sidecar.proxy), nothing to escape; floats: repr, valid JSON.
+        # sidecar_id: 32 hex characters (sidecar.ticket.new_request_id), nothing to escape;
+        # floats: repr, valid JSON.
         line = (f'+{seq} {{"sidecar_id":"{sidecar_id}","at":{time.time()!r},'
                 f'"sent_at":{sent_at!r},"engines":[{",".join(parts)}]}}\n').encode()
         self._live[seq] = line

@@ -1,7 +1,7 @@
 """What the front door (:mod:`sidecar.door`) gives every request it admits: a :class:`Ticket`,
 the bookkeeping the proxy and the tunnel share.
 
-A ticket holds the request's sidecar request id (``uuid4().hex``, 32 hex characters), its
+A ticket holds the request's sidecar request id (:func:`new_request_id`: 32 hex characters), its
 access line (:class:`~sidecar.logs.RequestLog`) and its count in
 ``cancel_sidecar_in_flight_requests`` from its making to :meth:`Ticket.done`, which counts it in
 ``cancel_sidecar_requests_total`` and ends its access line. :meth:`Ticket.tag` puts the id on
@@ -12,7 +12,7 @@ extend it (a subclass, not a member: no second object per request).
 
 from __future__ import annotations
 
-import uuid
+import secrets
 
 from aiohttp import web
 from multidict import CIMultiDict
@@ -22,6 +22,16 @@ from sidecar.logs import RequestLog
 from sidecar.metrics import Metrics
 from sidecar.route import RouteTarget
 from sidecar.runtime import Runtime
+
+
+def new_request_id() -> str:
+    """A fresh sidecar request id: 32 lowercase hex characters, 128 random bits
+    (``secrets.token_hex``; ``uuid4().hex`` has the same shape with 122, and took ~3.8 us here
+    against ~1.0).
+
+    Its uniqueness is what keeps one request's abort off every other's: docs/semantics.md
+    section 1."""
+    return secrets.token_hex(16)
 
 
 class Ticket:
@@ -40,7 +50,7 @@ class Ticket:
         self.target = target
         self.target_path = target_path  # origin-form path and query for the upstream
         self.metrics = metrics
-        self.id = uuid.uuid4().hex
+        self.id = new_request_id()
         self.access = RequestLog(self.id, request.method, request.path, target.prefix,
                                  target.engine.name, request.headers.get(REQUEST_ID))
         self._in_flight = metrics.child(metrics.in_flight, target.prefix)
