@@ -9,7 +9,9 @@ sidecars run at the same time, so the machine's state is the same for both:
   ``python -m sidecar``, ``--workers 1``, with bench's config: :func:`bench.procs.start_sidecar`);
 - one client sends one-token streaming requests (the bench prober's) on one keep-alive connection
   per sidecar, ``--pause-ms`` after each answer on each, one connection starting half of that
-  after the other (A first in even rounds, B in odd ones);
+  after the other (A first in even rounds, B in odd ones); with ``--tokens N`` each request
+  streams N events, ``--interval-us`` apart, so the CPU per request carries N relayed events
+  (a change to the byte path: ~0.5 us per event is 25 us per request at 50 tokens);
 - per round and sidecar: time to first token p50/p90 at the client (request written -> first
   event read) and the sidecar's CPU per request (psutil); then B - A per round, and its median
   over the rounds. A negative B - A: B is faster.
@@ -32,19 +34,21 @@ from bench.client import Samples, StreamConnection, connect, percentiles, reques
 from bench.procs import Proc, start_engine, start_sidecar
 
 
-async def _round(proxies: list[Proc], count: int, pause_s: float) -> list[Samples]:
-    """``count`` one-token requests through each proxy, ``pause_s`` apart on each connection,
-    the connections offset by ``pause_s / len(proxies)``."""
+async def _round(proxies: list[Proc], count: int, pause_s: float, tokens: int = 1,
+                 interval_us: int = 20000) -> list[Samples]:
+    """``count`` requests of ``tokens`` events (``interval_us`` apart) through each proxy,
+    ``pause_s`` apart on each connection, the connections offset by ``pause_s / len(proxies)``.
+    """
     samples = [Samples() for _ in proxies]
     connections = []
     for i, proxy in enumerate(proxies):
         if i:
             await asyncio.sleep(pause_s / len(proxies))
-        connection = StreamConnection(samples[i], lambda: request("stream", 1, 20000),
+        connection = StreamConnection(samples[i], lambda: request("stream", tokens, interval_us),
                                       count=count, pause_s=pause_s)
         connections.append(await connect(proxy.port, connection))
     await asyncio.wait_for(asyncio.gather(*(c.finished for c in connections)),
-                           count * pause_s + 60)
+                           count * (pause_s + tokens * interval_us / 1e6) + 60)
     for connection in connections:
         if connection.transport is not None:
             connection.transport.close()
@@ -52,7 +56,8 @@ async def _round(proxies: list[Proc], count: int, pause_s: float) -> list[Sample
 
 
 async def compare(checkouts: list[Path], requests: int, pause_ms: float, rounds: int,
-                  warmup: int) -> list[list[dict[str, float]]]:
+                  warmup: int, tokens: int = 1,
+                  interval_us: int = 20000) -> list[list[dict[str, float]]]:
     """Per round, per checkout: ``{"n", "ttft_p50_us", "ttft_p90_us", "cpu_us"}``."""
     log_dir = Path(tempfile.mkdtemp(prefix="bench-ab-"))
     engine = await start_engine(log_dir)
@@ -61,13 +66,13 @@ async def compare(checkouts: list[Path], requests: int, pause_ms: float, rounds:
         for i, checkout in enumerate(checkouts):
             proxies.append(await start_sidecar(log_dir, engine.port, 1, name=f"sidecar-{'AB'[i]}",
                                                repo=checkout))
-        await _round(proxies, warmup, pause_ms / 1e3)
+        await _round(proxies, warmup, pause_ms / 1e3, tokens, interval_us)
         results = []
         for r in range(rounds):
             cpu = [p.cpu_s() for p in proxies]
             # Which sidecar's requests lead alternates by round: a position effect cancels.
             order = proxies if r % 2 == 0 else proxies[::-1]
-            samples = await _round(order, requests, pause_ms / 1e3)
+            samples = await _round(order, requests, pause_ms / 1e3, tokens, interval_us)
             if r % 2:
                 samples.reverse()
             row = []
@@ -110,13 +115,17 @@ def main(argv: list[str] | None = None) -> int:
                         "two sidecars' requests, as bench's prober)")
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--warmup", type=int, default=200, help="requests per sidecar first, unmeasured")
+    p.add_argument("--tokens", type=int, default=1,
+                   help="events per request (default 1: the request path; more: the byte path)")
+    p.add_argument("--interval-us", type=int, default=20000,
+                   help="between two events of a request (default 20000, the bench's)")
     args = p.parse_args(argv)
     checkouts = [args.a.resolve(), args.b.resolve()]
     for checkout in checkouts:
         if not (checkout / "sidecar" / "__main__.py").is_file():
             p.error(f"{checkout}: not a cancel-sidecar checkout (no sidecar/__main__.py)")
     results = uvloop.run(compare(checkouts, args.requests, args.pause_ms, args.rounds,
-                                 args.warmup))
+                                 args.warmup, args.tokens, args.interval_us))
     print(render(checkouts, results))
     return 0
 

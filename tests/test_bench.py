@@ -193,11 +193,13 @@ async def test_floor_relays_streams_and_aborts_a_client_that_left(
         await engine.stop()
 
 
-def test_ab_serves_every_probe_of_both_checkouts() -> None:
-    """``python -m bench.ab``: both sidecars answer every one-token request, and the table says
-    so for each (here the same checkout twice)."""
+@pytest.mark.parametrize("events", [[], ["--tokens", "5", "--interval-us", "500"]],
+                         ids=["one-token", "five-events"])
+def test_ab_serves_every_probe_of_both_checkouts(events: list[str]) -> None:
+    """``python -m bench.ab``: both sidecars answer every request (one token, or five events with
+    ``--tokens``), and the table says so for each (here the same checkout twice)."""
     out = subprocess.run([sys.executable, "-m", "bench.ab", ".", ".", "--requests", "40",
-                          "--rounds", "2", "--warmup", "5", "--pause-ms", "4"],
+                          "--rounds", "2", "--warmup", "5", "--pause-ms", "4", *events],
                          capture_output=True, text=True, timeout=120, check=True).stdout
     rows = [line for line in out.splitlines() if line.startswith("| 0 |")
             or line.startswith("| 1 |")]
