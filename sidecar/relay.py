@@ -81,9 +81,6 @@ def origin(base_url: str) -> Origin:
     return Origin(base_url)
 
 
-_DONE_LEN = len(SSE_DONE)
-
-
 def chunk_frame(piece: bytes) -> bytes:
     """``piece`` as one HTTP/1.1 chunk (RFC 9112 section 7.1): size in hex, CRLF, data, CRLF."""
     return b"%x\r\n%b\r\n" % (len(piece), piece)
@@ -100,13 +97,15 @@ class Downstream:
     engine's socket is not read, and that time does not count toward ``read_timeout_s``.
     """
 
-    __slots__ = ("bytes_sent", "chunked", "gone", "paused", "tail", "transport", "upstream")
+    __slots__ = ("bytes_sent", "chunked", "gone", "paused", "saw_done_event", "tail",
+                 "transport", "upstream")
 
     def __init__(self, transport: asyncio.Transport, chunked: bool) -> None:
         self.transport = transport
         self.chunked = chunked
         self.bytes_sent = 0
         self.tail = b""
+        self.saw_done_event = False
         self.paused = False
         self.gone = False  # the client left and its abort is queued: the handler is told later
         self.upstream: UpstreamResponse | None = None
@@ -130,17 +129,14 @@ class Downstream:
     def account(self, piece: bytes) -> None:
         """Count ``piece`` as relayed (:meth:`write`, or aiohttp's write of the head with the
         body that came with it)."""
+        # The OpenAI end-of-stream event means the engine is done: a client that closes on
+        # reading it (before the upstream's final chunk) is not a disconnect.
         # ``tail``: the last piece, or, after a short one, the last len(SSE_DONE) bytes relayed
         # (the end event may come in any number of pieces: one per chunk of the engine's).
-        self.tail = piece if len(piece) >= _DONE_LEN else (self.tail + piece)[-_DONE_LEN:]
+        tail = piece if len(piece) >= len(SSE_DONE) else (self.tail + piece)[-len(SSE_DONE):]
+        self.saw_done_event = tail.endswith(SSE_DONE)
+        self.tail = tail
         self.bytes_sent += len(piece)
-
-    @property
-    def saw_done_event(self) -> bool:
-        """The last bytes relayed are the OpenAI end-of-stream event: the engine is done, and a
-        client that closes on reading it (before the upstream's final chunk) is not a
-        disconnect."""
-        return self.tail.endswith(SSE_DONE)
 
     def pause_writing(self) -> None:
         """From the client's protocol: its transport is over the high-water mark. A response
