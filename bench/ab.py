@@ -48,7 +48,7 @@ async def _round(proxies: list[Proc], count: int, pause_s: float, tokens: int = 
                                       count=count, pause_s=pause_s)
         connections.append(await connect(proxy.port, connection))
     await asyncio.wait_for(asyncio.gather(*(c.finished for c in connections)),
-                           count * (pause_s + tokens * interval_us / 1e6) + 60)
+                           count * (pause_s + (tokens - 1) * interval_us / 1e6) + 60)
     for connection in connections:
         if connection.transport is not None:
             connection.transport.close()

@@ -79,7 +79,9 @@ CONFIRM_WAIT_S = 0.01
 MULTI_MEMORY_S = 60.0
 MULTI_RESENDS = 2
 RESEND_COALESCE_S = 0.002  # re-sends due this close together leave in one call
-HELD_WAIT_S = 0.005  # a due re-send waits this long again while its engine reads are held
+# A due re-send waits this long again while its engine reads are held, or while the engine's
+# close of its response is still to be handled (Resend.waits_for_close).
+HELD_WAIT_S = 0.005
 # A batch of first calls waits for the next loop turn's flush at most this long: when a loop
 # turn is long (hundreds of clients leaving in it), the ids queued so far leave at once.
 FLUSH_AGE_S = 0.002
@@ -272,8 +274,10 @@ class Aborter:
                 # clients leave, engine reads wait so that aborts go first). While clients
                 # still leave, the re-send waits for the pacer to relay it (reading hundreds
                 # of ends here, in one step, would delay noticing the next clients' loss);
-                # once they stopped, it is read now, before deciding.
-                if resend.waits_for_pacer(now):
+                # once they stopped, it is read now, before deciding. An engine's close read
+                # but not yet handled is waited for too (Resend.waits_for_close), per re-send:
+                # it is one connection's, not the pool's.
+                if resend.waits_for_pacer(now) or resend.waits_for_close(now):
                     resend.due = min(now + HELD_WAIT_S, resend.until)
                     heapq.heappush(queue.resends, (resend.due, next(self._order), resend))
                     continue

@@ -114,6 +114,15 @@ class Resend:
         return (confirmation is not None and not self.stopped and now < self.until
                 and confirmation.held)
 
+    def waits_for_close(self, now: float) -> bool:
+        """True if this re-send waits because the engine closed the connection of the response
+        it confirms and that close is still to be handled (:attr:`Confirmation.closing`: its
+        verdict comes then; naming the ids again would change nothing), and its bound
+        (``until``) is not reached."""
+        confirmation = self.confirmation
+        return (confirmation is not None and not self.stopped and now < self.until
+                and confirmation.closing)
+
 
 class EarliestTimer:
     """One event-loop timer for many due times (``time.monotonic()``): set at the earliest and

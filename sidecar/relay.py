@@ -434,14 +434,9 @@ class UpstreamConnection(asyncio.Protocol):
     def reads_held(self) -> bool:
         """True while engine reads of this connection wait in :class:`ReadPacer` because
         clients are still leaving: held, parked (unread), or resumed in this loop tick (what
-        the engine sent is read in the coming poll); or while the engine's close is read but
-        not yet handled: uvloop closes the transport on reading it and calls
-        ``connection_lost`` later (up to ~11 ms after the unpark, 300 closes read in one poll,
-        in tests/test_teardown_pacing.py), so until then only ``is_closing()`` tells."""
-        transport = self.transport
+        the engine sent is read in the coming poll)."""
         return (self.parked or self.unparked_at == self.loop.time()
-                or (self._held is not None and self.pool.reads.holding)
-                or (transport is not None and transport.is_closing()))
+                or (self._held is not None and self.pool.reads.holding))
 
     def relay_held(self) -> bool:
         """Relay the reads :class:`ReadPacer` held, as one piece; False if none were held (or
