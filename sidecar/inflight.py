@@ -45,6 +45,7 @@ from collections import Counter
 from collections.abc import Iterator, Mapping
 from contextlib import suppress
 from dataclasses import dataclass
+from json.encoder import encode_basestring_ascii
 from pathlib import Path
 
 from engine import EngineAdapter
@@ -113,7 +114,9 @@ class InflightRecord:
             if head is None:
                 head = self._engines[name, url] = json.dumps(
                     {"name": name, "url": url}, separators=(",", ":"))[:-1] + ',"ids":'
-            parts.append(head + json.dumps(ids) + "}")  # the default encoder: the fast one
+            # The list by json's own C escaper, without json.dumps's encoder set up per call
+            # (3.4 -> 0.5 us warm, more on this cold path: python -m bench.ab).
+            parts.append(head + "[" + ",".join(map(encode_basestring_ascii, ids)) + "]}")
         # sidecar_id: 32 hex characters (sidecar.ticket.new_request_id), nothing to escape;
         # floats: repr, valid JSON.
         line = (f'+{seq} {{"sidecar_id":"{sidecar_id}","at":{time.time()!r},'

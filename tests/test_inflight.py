@@ -72,6 +72,29 @@ def test_a_live_writer_s_record_is_skipped_and_a_killed_one_s_read(tmp_path: Pat
     assert not list(tmp_path.iterdir()), "the files must be gone once read"
 
 
+ODD_IDS = ('chatcmpl-"quoted"', "cmpl-back\\slash", "resp_\u00e9\u2028\n\t", "plain-0")
+ODD_WRITER = textwrap.dedent(f"""
+    import sys, time
+    from pathlib import Path
+    from sidecar.inflight import InflightRecord
+    record = InflightRecord.open(Path(sys.argv[1]))
+    record.add("odd", 1.0, [("e", "http://x:1", {ODD_IDS!r}), ("f", "http://y:2", ("one",))])
+    print(record.name, flush=True)
+    time.sleep(60)
+""")
+
+
+def test_ids_of_any_characters_are_read_back_unchanged(tmp_path: Path) -> None:
+    """Each id list is written with json's own escaper (not ``json.dumps``): quotes,
+    backslashes, non-ASCII, line separators and control characters in an id come back as they
+    were, several ids and several engines in one line."""
+    with writer(ODD_WRITER, tmp_path):
+        pass
+    (found,) = list(orphans(tmp_path))
+    assert found[1][0].engines == (("e", "http://x:1", ODD_IDS), ("f", "http://y:2", ("one",))), (
+        found)
+
+
 COMPACTING_WRITER = textwrap.dedent("""
     import sys, time
     from pathlib import Path
