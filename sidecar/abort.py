@@ -72,10 +72,12 @@ RESEND_FIRST_S = 0.005  # the first re-send, after the first call; then doubling
 # owner: ../shared/notes/cancellation-facts.md); then doubling, as RESEND_FIRST_S.
 CONFIRM_WAIT_S = 0.01
 # How long an engine counts as having several API-server processes after a request it surely
-# knew was confirmed only after MULTI_RESENDS re-sends or more: meanwhile its first calls go on
-# abort.fanout connections at once and its re-sends widen inside the registration window too
-# (else they widen only once the window closed: one process, many calls naming an id still
-# registering would be for nothing). One re-send is allowed for an end read late.
+# knew was confirmed only after MULTI_RESENDS re-sends or more that each found nothing of the
+# engine's waiting unread (Resend.misses: after a storm an engine's end can wait in the socket
+# across re-sends, Confirmation.unread): meanwhile its first calls go on abort.fanout
+# connections at once and its re-sends widen inside the registration window too (else they
+# widen only once the window closed: one process, many calls naming an id still registering
+# would be for nothing). One such re-send is allowed for an end read late.
 MULTI_MEMORY_S = 60.0
 MULTI_RESENDS = 2
 RESEND_COALESCE_S = 0.002  # re-sends due this close together leave in one call
@@ -289,6 +291,11 @@ class Aborter:
                 if resend.confirming:  # wider each time: other abort connections, processes
                     copies = resend.widen(now, self._several(engine, now), settings.fanout,
                                           settings.max_calls)
+                    # A miss only if nothing of the engine's waits unread: its end may.
+                    confirmation = resend.confirmation
+                    if (resend.misses < MULTI_RESENDS and confirmation is not None
+                            and not confirmation.unread):
+                        resend.misses += 1
                 again = resend.pending = Request(resend.ids, resend.sidecar_id, now, None,
                                                  len(resend.ids), resend=resend, first=False,
                                                  copies=copies)
@@ -477,7 +484,7 @@ class Aborter:
         if resend is not None:
             resend.stopped = True
             if (verdict == CONFIRMED and resend.widen_from <= request.noticed_at
-                    and resend.resends >= MULTI_RESENDS):
+                    and resend.misses >= MULTI_RESENDS):
                 self._multi_at[engine.base_url] = time.monotonic()
         if request.answered:
             self._report(engine, request, _verdict_outcome(request.outcome or ACCEPTED, verdict))

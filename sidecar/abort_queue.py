@@ -83,7 +83,9 @@ class Resend:
     widen_from: float = 0.0
     width: int = 1
     calls: int = 1
-    resends: int = 0  # re-sends made (each of ``width`` calls)
+    # Re-sends made while nothing the engine sent waited unread on the request's upstream
+    # connection (Confirmation.unread): each says the calls so far changed nothing there.
+    misses: int = 0
 
     def advance(self, max_interval_s: float) -> bool:
         """Move to the next re-send; False once the one at ``until`` was made."""
@@ -103,7 +105,6 @@ class Resend:
         if now >= self.widen_from or several:
             self.width = min(self.width * 2, fanout)
         self.calls += copies
-        self.resends += 1
         return copies
 
     def waits_for_pacer(self, now: float) -> bool:

@@ -290,6 +290,60 @@ async def test_a_parked_response_is_read_again_within_max_park_s() -> None:
         assert verdict.done() and verdict.result() == CONFIRMED
 
 
+async def test_an_end_waiting_in_the_socket_is_unread_until_the_relay_reads_it() -> None:
+    """:attr:`Confirmation.unread`, what the abort's re-sends ask before counting a call that
+    changed nothing (:data:`sidecar.abort.MULTI_RESENDS`): False while the engine sent nothing
+    new, and once what it sent was read (an abort event without the end yet); True while the
+    engine's end waits in the socket unread (here parked, as a storm's busy loop leaves it);
+    the end then read gives the verdict."""
+    go = [asyncio.Event(), asyncio.Event()]
+
+    async def serve(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        await reader.readuntil(b"\r\n\r\n")
+        writer.write(b"HTTP/1.1 200 OK\r\nContent-Type: text/event-stream\r\n"
+                     b"Transfer-Encoding: chunked\r\n\r\n")
+        await go[0].wait()
+        writer.write(ABORTED_END[0])  # the abort event, no end yet
+        await go[1].wait()
+        writer.write(b"".join(ABORTED_END[1:]))  # [DONE] and the last chunk
+        await reader.read()
+        writer.close()
+
+    engine = await asyncio.start_server(serve, "127.0.0.1", 0)
+    pool = UpstreamPool(UpstreamSettings())
+    try:
+        async with asyncio.timeout(GUARD_S):
+            connection = await pool.connection(
+                origin(f"http://127.0.0.1:{engine.sockets[0].getsockname()[1]}"))
+            response = connection.send(HEAD, [], head_only=False)
+            await response.head
+            verdict: asyncio.Future[str] = asyncio.get_running_loop().create_future()
+            confirmation = Confirmation(response)
+            confirmation.arm(verdict.set_result)
+            response.watch(confirmation)  # no client leaving: read at once, not parked
+            assert not connection.parked
+            assert not confirmation.unread, "expected nothing unread: the engine sent nothing"
+            go[0].set()
+            while not confirmation.aborted:  # noqa: ASYNC110 - read in some coming turn
+                await asyncio.sleep(0.001)
+            assert confirmation.open and not confirmation.unread, (
+                "expected the abort event read and nothing else waiting")
+            pool.reads.hold()  # clients leave: this one's reading paused, as a busy loop's
+            assert pool.reads.park(connection) and connection.parked
+            go[1].set()
+            while not confirmation.unread:  # until it reaches the socket
+                pool.reads.hold()
+                await asyncio.sleep(0.001)
+            assert not verdict.done(), "expected no verdict while the end waits unread"
+            assert await verdict == CONFIRMED, "expected the end read once clients stopped"
+            assert not confirmation.unread
+    finally:
+        await pool.close()
+        engine.close()
+        await engine.wait_closed()
+        await asyncio.sleep(2 * HOLD_S)
+
+
 async def test_the_collector_waits_while_clients_leave() -> None:
     """:class:`CollectorPause`: no cyclic collection while a pool holds (a storm), the
     collector enabled again once holding ends; one disabled by someone else stays disabled."""
