@@ -485,7 +485,15 @@ class Aborter:
             resend.stopped = True
             if (verdict == CONFIRMED and resend.widen_from <= request.noticed_at
                     and resend.misses >= MULTI_RESENDS):
-                self._multi_at[engine.base_url] = time.monotonic()
+                now = time.monotonic()
+                if not self._several(engine, now):
+                    log.info("engine %s: request %s was confirmed only after %d or more abort "
+                             "re-sends that found nothing of the engine's unread: taken to have "
+                             "several API-server processes for the next %.0f s, its first "
+                             "abort calls go on %d connections at once", engine.name,
+                             request.sidecar_id, MULTI_RESENDS, MULTI_MEMORY_S,
+                             engine.settings.abort.fanout)
+                self._multi_at[engine.base_url] = now
         if request.answered:
             self._report(engine, request, _verdict_outcome(request.outcome or ACCEPTED, verdict))
 

@@ -310,11 +310,13 @@ async def test_registration_race_confirmed_with_fewer_calls(
 @pytest.mark.parametrize("processes", [1, 4])
 async def test_first_call_fans_out_once_several_processes_seen(
         fakes: list[VLLMEngine], start_sidecar: Callable[..., Any], stalls: Stalls,
-        processes: int) -> None:
+        processes: int, caplog: pytest.LogCaptureFixture) -> None:
     """Clients that leave one after another mid-generation. Behind 4 processes some first
     calls miss, and a request confirmed only after 2 re-sends marks the engine as having
-    several processes: from then every first call goes at once on ``abort.fanout`` (8)
-    connections. Behind one process, never more than one call per request."""
+    several processes (one INFO line says so): from then every first call goes at once on
+    ``abort.fanout`` (8) connections. Behind one process, never more than one call per request,
+    and no such line."""
+    caplog.set_level(logging.INFO, logger="sidecar.abort")
     fake, servers = await deploy(fakes, start_sidecar, processes)
     fanned: list[str] = []
     firsts: list[int] = []
@@ -338,9 +340,14 @@ async def test_first_call_fans_out_once_several_processes_seen(
         if len(fanned) >= 4:
             break
     print(f"[N={processes}] first calls per request, in order: {firsts}")
+    marked = [r.getMessage() for r in caplog.records
+              if "taken to have several API-server processes" in r.getMessage()]
     if processes == 1:
         assert firsts == [1] * 30, f"one process: one first call each, got {firsts}"
+        assert not marked, f"expected the one-process engine never marked: {marked}"
         return
+    assert len(marked) == 1 and "its first abort calls go on 8 connections" in marked[0], (
+        f"expected one line saying the engine was marked (not again while marked): {marked}")
     assert fanned, f"the engine was never seen with several processes: {firsts}"
     start = firsts.index(8)
     assert start > 0 and firsts[:start] == [1] * start, (
