@@ -72,9 +72,9 @@ RESEND_FIRST_S = 0.005  # the first re-send, after the first call; then doubling
 # owner: ../shared/notes/cancellation-facts.md); then doubling, as RESEND_FIRST_S.
 CONFIRM_WAIT_S = 0.01
 # How long an engine counts as having several API-server processes after a request it surely
-# knew was confirmed only after MULTI_RESENDS re-sends or more that each found nothing of the
-# engine's waiting unread (Resend.misses: after a storm an engine's end can wait in the socket
-# across re-sends, Confirmation.unread): meanwhile its first calls go on abort.fanout
+# knew was confirmed only after MULTI_RESENDS re-sends or more that its response shows changed
+# nothing (Resend.judge: after a storm an engine's end can wait unread in the socket across
+# re-sends, Confirmation.unread): meanwhile its first calls go on abort.fanout
 # connections at once and its re-sends widen inside the registration window too (else they
 # widen only once the window closed: one process, many calls naming an id still registering
 # would be for nothing). One such re-send is allowed for an end read late.
@@ -291,11 +291,11 @@ class Aborter:
                 if resend.confirming:  # wider each time: other abort connections, processes
                     copies = resend.widen(now, self._several(engine, now), settings.fanout,
                                           settings.max_calls)
-                    # A miss only if nothing of the engine's waits unread: its end may.
+                    # A miss only once nothing the engine sent waits unread: its end may.
                     confirmation = resend.confirmation
                     if (resend.misses < MULTI_RESENDS and confirmation is not None
-                            and not confirmation.unread):
-                        resend.misses += 1
+                            and not confirmation.aborted):
+                        resend.judge(confirmation.pieces, confirmation.unread)
                 again = resend.pending = Request(resend.ids, resend.sidecar_id, now, None,
                                                  len(resend.ids), resend=resend, first=False,
                                                  copies=copies)
@@ -488,9 +488,9 @@ class Aborter:
                 now = time.monotonic()
                 if not self._several(engine, now):
                     log.info("engine %s: request %s was confirmed only after %d or more abort "
-                             "re-sends that found nothing of the engine's unread: taken to have "
-                             "several API-server processes for the next %.0f s, its first "
-                             "abort calls go on %d connections at once", engine.name,
+                             "re-sends that changed nothing: taken to have several API-server "
+                             "processes for the next %.0f s, its first abort calls go on %d "
+                             "connections at once", engine.name,
                              request.sidecar_id, MULTI_RESENDS, MULTI_MEMORY_S,
                              engine.settings.abort.fanout)
                 self._multi_at[engine.base_url] = now

@@ -83,9 +83,11 @@ class Resend:
     widen_from: float = 0.0
     width: int = 1
     calls: int = 1
-    # Re-sends made while nothing the engine sent waited unread on the request's upstream
-    # connection (Confirmation.unread): each says the calls so far changed nothing there.
+    # Re-sends that the engine's response shows changed nothing (judge): at most
+    # MULTI_RESENDS are counted (sidecar.abort).
     misses: int = 0
+    undecided: int = 0  # re-sends that found bytes unread, not judged yet
+    undecided_at: int = 0  # Confirmation.pieces at the last of them
 
     def advance(self, max_interval_s: float) -> bool:
         """Move to the next re-send; False once the one at ``until`` was made."""
@@ -106,6 +108,23 @@ class Resend:
             self.width = min(self.width * 2, fanout)
         self.calls += copies
         return copies
+
+    def judge(self, pieces: int, unread: bool) -> None:
+        """Count the re-send going out now, and the undecided ones before it, as misses where
+        the engine's response shows they changed nothing. ``pieces``: the body pieces read from
+        it so far (:attr:`Confirmation.pieces`); ``unread``: something it sent waits unread
+        (:attr:`Confirmation.unread`). Nothing unread: a miss. Something unread: undecided,
+        since it may be the end; decided at a later re-send, each a miss once pieces were read
+        since (they were not the end: no verdict came). The caller skips this once the abort
+        mark was read (the engine stopped; its end is on its way)."""
+        if self.undecided and pieces > self.undecided_at:
+            self.misses += self.undecided
+            self.undecided = 0
+        if unread:
+            self.undecided += 1
+            self.undecided_at = pieces
+        else:
+            self.misses += 1
 
     def waits_for_pacer(self, now: float) -> bool:
         """True if this re-send waits, not due yet in effect: the engine's answer to its earlier

@@ -17,7 +17,9 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import gc
+import ssl
 from collections.abc import AsyncIterator
+from pathlib import Path
 
 import pytest
 
@@ -26,6 +28,7 @@ from sidecar.confirm import CONFIRMED, Confirmation
 from sidecar.pool import UpstreamPool
 from sidecar.read_pacer import HOLD_S, MAX_COLLECTOR_PAUSE_S, MAX_PARK_S
 from sidecar.relay import Downstream, UpstreamConnection, origin
+from tests.test_tls_upstream import make_certificates
 
 pytestmark = pytest.mark.timeout(30)
 
@@ -290,12 +293,15 @@ async def test_a_parked_response_is_read_again_within_max_park_s() -> None:
         assert verdict.done() and verdict.result() == CONFIRMED
 
 
-async def test_an_end_waiting_in_the_socket_is_unread_until_the_relay_reads_it() -> None:
+@pytest.mark.parametrize("tls", [False, True], ids=["tcp", "tls"])
+async def test_an_end_waiting_in_the_socket_is_unread_until_the_relay_reads_it(
+        tls: bool, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """:attr:`Confirmation.unread`, what the abort's re-sends ask before counting a call that
-    changed nothing (:data:`sidecar.abort.MULTI_RESENDS`): False while the engine sent nothing
-    new, and once what it sent was read (an abort event without the end yet); True while the
-    engine's end waits in the socket unread (here parked, as a storm's busy loop leaves it);
-    the end then read gives the verdict."""
+    changed nothing (:meth:`sidecar.abort_queue.Resend.judge`): False while the engine sent
+    nothing new, and once what it sent was read (an abort event without the end yet); True
+    while the engine's end waits unread (here parked, as a storm's busy loop leaves it): in the
+    socket, or over TLS in the transport's own buffer (it reads on while paused); the end then
+    read gives the verdict."""
     go = [asyncio.Event(), asyncio.Event()]
 
     async def serve(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
@@ -309,12 +315,19 @@ async def test_an_end_waiting_in_the_socket_is_unread_until_the_relay_reads_it()
         await reader.read()
         writer.close()
 
-    engine = await asyncio.start_server(serve, "127.0.0.1", 0)
+    context = None
+    if tls:  # the engine's certificate signed by a CA the pool trusts (SSL_CERT_FILE)
+        ca_path, cert_path, key_path = make_certificates(tmp_path)
+        monkeypatch.setenv("SSL_CERT_FILE", str(ca_path))
+        context = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
+        context.load_cert_chain(cert_path, key_path)
+    engine = await asyncio.start_server(serve, "127.0.0.1", 0, ssl=context)
+    scheme = "https" if tls else "http"
     pool = UpstreamPool(UpstreamSettings())
     try:
         async with asyncio.timeout(GUARD_S):
             connection = await pool.connection(
-                origin(f"http://127.0.0.1:{engine.sockets[0].getsockname()[1]}"))
+                origin(f"{scheme}://127.0.0.1:{engine.sockets[0].getsockname()[1]}"))
             response = connection.send(HEAD, [], head_only=False)
             await response.head
             verdict: asyncio.Future[str] = asyncio.get_running_loop().create_future()
@@ -328,15 +341,18 @@ async def test_an_end_waiting_in_the_socket_is_unread_until_the_relay_reads_it()
                 await asyncio.sleep(0.001)
             assert confirmation.open and not confirmation.unread, (
                 "expected the abort event read and nothing else waiting")
+            assert confirmation.pieces >= 1
             pool.reads.hold()  # clients leave: this one's reading paused, as a busy loop's
             assert pool.reads.park(connection) and connection.parked
             go[1].set()
-            while not confirmation.unread:  # until it reaches the socket
+            loop = asyncio.get_running_loop()
+            until = loop.time() + 2.0
+            while not confirmation.unread and loop.time() < until:
                 pool.reads.hold()
                 await asyncio.sleep(0.001)
+            assert confirmation.unread, "expected the end seen waiting unread while parked"
             assert not verdict.done(), "expected no verdict while the end waits unread"
             assert await verdict == CONFIRMED, "expected the end read once clients stopped"
-            assert not confirmation.unread
     finally:
         await pool.close()
         engine.close()
