@@ -142,8 +142,9 @@ class Confirmation:
         processes (:data:`sidecar.abort.MULTI_RESENDS`) had 73-168 requests confirmed only
         after their 2nd re-send, every one with its end (266 bytes, ``FIONREAD``) unread in
         the socket at both re-sends, 16-20 ms after the pacer resumed its reading: the loop's
-        turns were 10-35 ms long then, and uvloop runs due timers before the turn's poll. In 8
-        of 25 runs a later storm's first calls then went 8 wide. Not counting those: 0 of 10.
+        turns were 10-35 ms long then, and uvloop runs due timers before the turn's poll. In 9
+        of 25 runs a later storm's first calls then went 8 wide (a stream named in 8-16
+        calls). Not counting those: 0 of 10.
         What waits may also be a token of a stream the calls missed: the aborter counts that
         re-send once the bytes were read and were not the end
         (:meth:`sidecar.abort_queue.Resend.judge`)."""

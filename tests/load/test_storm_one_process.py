@@ -6,10 +6,9 @@ several processes for 60 s, and from then every first call goes out on ``abort.f
 connections at once. After a storm that loop is busy, and the one-process engine's end, sent
 right after the first call, can wait unread in the socket across both re-sends: that is no
 miss, and must not mark it (:attr:`sidecar.confirm.Confirmation.unread`,
-:meth:`sidecar.abort_queue.Resend.judge`). Before that check,
-a later storm's first calls went 8 wide in 8 of 25 runs of ``python -m bench``'s storm phase (6
-storms each), and this test failed in 1 of 5 runs (the storms vary: it cannot fail every time);
-with it, 0 of 10 bench runs.
+:meth:`sidecar.abort_queue.Resend.judge`). Before that check, a later storm's first calls went 8
+wide in 9 of 25 runs of ``python -m bench``'s storm phase (6 storms each), and this test failed
+in 1 of 5 runs (the storms vary: it cannot fail every time); with it, 0 of 10 bench runs.
 
 Real processes on 127.0.0.1, as ``python -m bench``'s storm runs them (``bench.procs``): the
 fake engine (:mod:`bench.engine`, one process: an abort call stops every stream it names), the
