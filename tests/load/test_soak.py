@@ -319,6 +319,14 @@ def check(o: Outcome, work: Work | None, named: Counter[str], calls: dict[str, l
     return None, "cut"
 
 
+# Rerun on failure, for its RSS line only, until the cause is found: at the CI size the growth
+# after warm-up sits at the 10% bound on this 2-core box, before this session's changes too
+# (4df6d63: 8.2-10.5%, 1 of 7 runs over; 5187bfb: 8.2-10.7%, 3 of 11 over). It is no Python
+# object kept (the objects the collector tracks are back to the warm-up's count; none of them
+# grew past 200 items) and malloc_trim(0) does not lower it; with more requests it slows down
+# (RSS 60.6 MiB after 2,000 requests, 70 after 6,000, 77.5 after 18,000). A leak of a few KB a
+# request still fails all three runs.
+@pytest.mark.flaky(reruns=2)
 async def test_soak_aborts_exactly_the_cut_requests_and_leaks_nothing(tmp_path: Path) -> None:
     engine = VLLMEngine()
     await engine.start()
