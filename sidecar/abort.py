@@ -445,6 +445,8 @@ class Aborter:
         (a re-send is counted only in ``abort_calls_total`` and ``abort_resent_ids_total``),
         or, with a confirmation still open, re-send until the verdict (:meth:`_verdict`)."""
         if not request.first:
+            if request.resend is not None:
+                request.resend.left(request)
             return
         request.answered = True
         outcome = request.outcome or ACCEPTED

@@ -89,6 +89,13 @@ class Resend:
     undecided: int = 0  # re-sends that found bytes unread, not judged yet
     undecided_at: int = 0  # Confirmation.pieces at the last of them
 
+    def left(self, request: Request) -> None:
+        """``request``, a re-send of this one, was answered, or left its line unsent: the next
+        re-send may be queued. (It and :attr:`pending` point at each other: dropped here, they
+        are freed by reference counting, not left to the cyclic collector.)"""
+        if self.pending is request:
+            self.pending = None
+
     def advance(self, max_interval_s: float) -> bool:
         """Move to the next re-send; False once the one at ``until`` was made."""
         if self.due >= self.until:
@@ -236,6 +243,7 @@ class Queue:
                     line.popleft()  # confirmed (or refused) while it waited: not sent
                     self.resending_ids -= request.unsent
                     request.unsent = 0
+                    request.resend.left(request)
                     continue
                 start = len(request.ids) - request.unsent
                 count = min(request.unsent, limit - len(ids))
@@ -273,8 +281,11 @@ class Queue:
             self.resending_ids += len(ids)
         else:
             while (self.resending and self.waiting_ids + self.resending_ids + len(ids)
-                   > MAX_QUEUED_IDS):  # re-sends give way first
-                self.resending_ids -= self.resending.pop().unsent
+                   > MAX_QUEUED_IDS):  # re-sends give way first (the next one may come)
+                evicted = self.resending.pop()
+                self.resending_ids -= evicted.unsent
+                if evicted.resend is not None:
+                    evicted.resend.left(evicted)
             if (self.waiting_ids + len(ids) > MAX_QUEUED_IDS
                     and not self.make_room(request, drop)):
                 return False

@@ -156,15 +156,28 @@ class UpstreamPool:
         tls = None
         if origin.tls:
             tls = self._tls = self._tls or ssl.create_default_context()
+        made: list[UpstreamConnection] = []
+
+        def connection_for() -> UpstreamConnection:
+            made.append(UpstreamConnection(self, origin))
+            return made[-1]
+
         try:
             async with asyncio.timeout(timeout_s):
                 _, protocol = await loop.create_connection(
-                    lambda: UpstreamConnection(self, origin), origin.host, origin.port, ssl=tls)
-        except TimeoutError as exc:
-            raise UpstreamConnectTimeout(
-                f"no connection to {origin} within {timeout_s}s") from exc
-        except OSError as exc:
-            raise UpstreamConnectError(f"cannot connect to {origin}: {exc}") from exc
+                    connection_for, origin.host, origin.port, ssl=tls)
+        except BaseException as exc:
+            # Given up once connected (cancelled: the client left): uvloop closes the transport
+            # without connection_lost, so the connection and its transport would point at each
+            # other until the cyclic collector runs.
+            for connection in made:
+                connection.transport = None
+            if isinstance(exc, TimeoutError):
+                raise UpstreamConnectTimeout(
+                    f"no connection to {origin} within {timeout_s}s") from exc
+            if isinstance(exc, OSError):
+                raise UpstreamConnectError(f"cannot connect to {origin}: {exc}") from exc
+            raise
         connection = protocol
         connection.in_use = True
         self._all.add(connection)

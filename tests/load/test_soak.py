@@ -23,8 +23,17 @@ descriptors, its connections to the engine and its asyncio tasks must come back 
 before any traffic (right after the last request up to the idle keep-alive pool, at most
 ``CONCURRENCY`` connections: fds may exceed the baseline by that many; once the proxy pool's
 ``keepalive_timeout_s`` expired, only the abort calls' pool, at most ``MAX_CALLS_PER_ENGINE``
-connections), and its resident memory after a warm-up slice must grow by less than 10 % over
-the rest.
+connections), no object of the sidecar's may ever need the cyclic garbage collector (each one
+freed by reference counting once done: ``count_cycles`` of
+:mod:`tests.harness.load.sidecar_process`), and its resident memory after a warm-up slice must
+grow by less than 10 % over the rest.
+
+Why the cycles: Python's small-object allocator keeps an arena as long as one object lives in
+it, so garbage that waits for a collection raises the resident memory for good. Each response
+the relay read was such garbage (its parser calls its bound methods) until 2026-12-05: after
+6,000 requests ~60,000 objects waited for a middle-generation collection, pymalloc's arenas grew
+from 24 to 36 while its live bytes fell, and the RSS grew 8-11 % after warm-up at 2,000
+requests, +30 % at 20,000; with no cycles, +4 % and +1 %.
 
 Size: ``CANCEL_SIDECAR_SOAK_N`` requests (default 2000; the full size is 20000). Run with ``-s``
 for the numbers.
@@ -197,10 +206,12 @@ class Levels:
     upstream: int  # ESTABLISHED connections from the sidecar to the engine
     tasks: int
     rss: int
+    cyclic: dict[str, int]  # the sidecar's objects the cyclic collector found, by type
 
     def __str__(self) -> str:
         return (f"fds {self.fds}, upstream connections {self.upstream}, tasks {self.tasks}, "
-                f"RSS {self.rss / 2**20:.1f} MiB")
+                f"RSS {self.rss / 2**20:.1f} MiB, objects left to the cyclic collector "
+                f"{sum(self.cyclic.values())}")
 
 
 async def levels(sidecar: SidecarProcess, engine_port: int) -> Levels:
@@ -208,7 +219,8 @@ async def levels(sidecar: SidecarProcess, engine_port: int) -> Levels:
     upstream = sum(1 for c in proc.net_connections("tcp")
                    if c.raddr and c.raddr.port == engine_port
                    and c.status == psutil.CONN_ESTABLISHED)
-    return Levels(proc.num_fds(), upstream, await sidecar.tasks(), proc.memory_info().rss)
+    tasks, cyclic = await sidecar.stats()
+    return Levels(proc.num_fds(), upstream, tasks, proc.memory_info().rss, cyclic)
 
 
 async def warm_levels(sidecar: SidecarProcess, engine_port: int) -> Levels:
@@ -319,14 +331,6 @@ def check(o: Outcome, work: Work | None, named: Counter[str], calls: dict[str, l
     return None, "cut"
 
 
-# Rerun on failure, for its RSS line only, until the cause is found: at the CI size the growth
-# after warm-up sits at the 10% bound on this 2-core box, before this session's changes too
-# (4df6d63: 8.2-10.5%, 1 of 7 runs over; 5187bfb: 8.2-10.7%, 3 of 11 over). It is no Python
-# object kept (the objects the collector tracks are back to the warm-up's count; none of them
-# grew past 200 items) and malloc_trim(0) does not lower it; with more requests it slows down
-# (RSS 60.6 MiB after 2,000 requests, 70 after 6,000, 77.5 after 18,000). A leak of a few KB a
-# request still fails all three runs.
-@pytest.mark.flaky(reruns=2)
 async def test_soak_aborts_exactly_the_cut_requests_and_leaks_nothing(tmp_path: Path) -> None:
     engine = VLLMEngine()
     await engine.start()
@@ -345,7 +349,7 @@ async def soak(engine: VLLMEngine, tmp_path: Path) -> None:
     tree = config_tree(engine.url, upstream={"keepalive_timeout_s": KEEPALIVE_S}, engines={
         "local": {"kind": "vllm", "url": engine.url,
                   "abort": {"api_key": "cli-key", "timeout_s": 2.0}}})
-    async with sidecar_process(tmp_path, tree) as sidecar:
+    async with sidecar_process(tmp_path, tree, count_cycles=True) as sidecar:
         before = await warm_levels(sidecar, port)
         started = time.monotonic()
         outcomes = await run(sidecar.proxy_port, index, plan[:WARM_UP])
@@ -425,6 +429,9 @@ async def soak(engine: VLLMEngine, tmp_path: Path) -> None:
         f"connections and {idle.fds} fds")
     assert after.tasks <= before.tasks + TASK_TOLERANCE, (
         f"expected asyncio tasks back to {before.tasks}; got {after.tasks}")
+    assert not idle.cyclic, (
+        f"expected every object of the sidecar's freed by reference counting; the cyclic "
+        f"collector found {idle.cyclic}")
     assert growth < RSS_GROWTH, (
         f"expected RSS to grow < {RSS_GROWTH:.0%} after warm-up ({warm.rss} bytes); got "
         f"{after.rss} bytes ({growth:+.1%})")
