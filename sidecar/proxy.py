@@ -326,11 +326,14 @@ class Exchange(Ticket):
 
     def close(self) -> None:
         """Last step of every request: a response not read to its end is never pooled again
-        (one still before its head too), unless a confirmation watches it."""
+        (one still before its head too), unless a confirmation watches it; what it failed
+        with keeps no traceback."""
         upstream = self.upstream or self.sending
-        if upstream is not None and not self.upstream_finished:
-            upstream.close()
-            self.upstream_finished = True
+        if upstream is not None:
+            if not self.upstream_finished:
+                upstream.close()
+                self.upstream_finished = True
+            upstream.forget_tracebacks()  # they hold this request's frames
         if self.body is not None:  # a body never sent whole: no cycle left to the collector
             self.body.on_sent = None
 

@@ -358,6 +358,17 @@ class UpstreamResponse:
         if self.uploading is not None:
             self.uploading.cancel()
 
+    def forget_tracebacks(self) -> None:
+        """The request is over: what this response failed with (:attr:`failure`, the exception
+        of :attr:`head`) keeps no traceback. Raised through the handler, it holds the
+        handler's frames, which hold this response: a cycle otherwise. (A watcher that reads on
+        only asks whether it failed.)"""
+        if self.failure is not None:
+            self.failure.__traceback__ = None
+        head = self.head
+        if head.done() and not head.cancelled() and (exc := head.exception()) is not None:
+            exc.__traceback__ = None
+
     def _release(self) -> None:
         """No byte reaches this response again (read to its end, or its connection lost): drop
         the references that point back at it (its parser's callbacks, its watcher's, its read
@@ -495,15 +506,8 @@ class UpstreamConnection(asyncio.Protocol):
         try:
             parser.feed_data(data)
         except httptools.HttpParserCallbackError as exc:
-            cause = exc.__context__
-            if isinstance(cause, _HeadOnly):
-                response.on_message_complete()
-            elif isinstance(cause, ConnectionResetError):  # the client is gone mid-write
-                self.pause_reading()
-                response.fail(cause)
-            else:
-                self._failed(response, cause if isinstance(cause, UpstreamError) else
-                             UpstreamProtocolError(f"{self.origin} sent a malformed response"))
+            # Not a local here: this frame is in the traceback of what a callback raised.
+            self._raised_in_callback(response, exc.__context__)
         except httptools.HttpParserError as exc:
             self._failed(response, UpstreamProtocolError(
                 f"{self.origin} sent bytes that are not an HTTP/1.x response: "
@@ -514,6 +518,18 @@ class UpstreamConnection(asyncio.Protocol):
             if head_pending and not response.head.done() and response.head_bytes > MAX_HEAD_BYTES:
                 self._failed(response, UpstreamProtocolError(
                     f"{self.origin} sent a response head over {MAX_HEAD_BYTES} bytes"))
+
+    def _raised_in_callback(self, response: UpstreamResponse, cause: BaseException | None
+                            ) -> None:
+        """A parser callback of ``response`` raised ``cause``; the parser takes no more bytes."""
+        if isinstance(cause, _HeadOnly):
+            response.on_message_complete()
+        elif isinstance(cause, ConnectionResetError):  # the client is gone mid-write
+            self.pause_reading()
+            response.fail(cause)
+        else:
+            self._failed(response, cause if isinstance(cause, UpstreamError) else
+                         UpstreamProtocolError(f"{self.origin} sent a malformed response"))
 
     def connection_lost(self, exc: Exception | None) -> None:
         self.relay_held()  # what the engine sent before it closed comes first
