@@ -71,7 +71,8 @@ class Resend:
     until: float
     due: float
     gap: float
-    stopped: bool = False  # refused (re-sending cannot help), or the engine confirmed
+    stopped: bool = False  # refused (re-sending cannot help), the engine confirmed, or
+    # its re-send gave way in a full queue
     pending: Request | None = None  # the last re-send queued (one at a time per request)
     # With a confirmation: each re-send makes ``width`` calls at once on as many abort
     # connections, ``width`` doubling up to ``abort.fanout`` from ``widen_from`` (the ids are
@@ -281,10 +282,11 @@ class Queue:
             self.resending_ids += len(ids)
         else:
             while (self.resending and self.waiting_ids + self.resending_ids + len(ids)
-                   > MAX_QUEUED_IDS):  # re-sends give way first (the next one may come)
+                   > MAX_QUEUED_IDS):  # re-sends give way first: that request's end
                 evicted = self.resending.pop()
                 self.resending_ids -= evicted.unsent
                 if evicted.resend is not None:
+                    evicted.resend.stopped = True
                     evicted.resend.left(evicted)
             if (self.waiting_ids + len(ids) > MAX_QUEUED_IDS
                     and not self.make_room(request, drop)):

@@ -300,8 +300,6 @@ class UpstreamResponse:
         the response's end or loss is reported to it (``ended``), whether or not the handler
         still runs. The engine's socket is read again if a slow client had paused it; closing
         the response is then the watcher's to do (:meth:`close`)."""
-        self.watcher = watcher
-        self.downstream = watcher
         if isinstance(self.failure, ConnectionResetError):
             # A write found the client gone before the proxy knew (data_received): the
             # client's loss, not the engine's; the response goes on for the watcher.
@@ -309,8 +307,10 @@ class UpstreamResponse:
         if pending := self.take_pending():
             watcher.write(pending)
         if self.complete or self.failure is not None:
-            watcher.ended()
+            watcher.ended()  # not kept: released already (_release), nothing more comes
             return
+        self.watcher = watcher
+        self.downstream = watcher
         # Unread while clients leave (ReadPacer.park: the aborts go first), else read now (a
         # slow client may have paused it).
         if not self.connection.pool.reads.park(self.connection):

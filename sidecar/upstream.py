@@ -282,6 +282,9 @@ async def open_upstream(
                 log.info("request %s: upstream connection dropped before the response (%s); "
                          "sending again on a fresh connection", request_id, exc)
                 fresh = True
+                # The first attempt's response keeps it (its head): its traceback holds
+                # _attempt's frame, which holds that response (a cycle otherwise).
+                exc.__traceback__ = None
                 continue
             raise
         except UpstreamError:
