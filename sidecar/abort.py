@@ -128,7 +128,7 @@ class Aborter:
     def abort(self, engine: EngineAdapter, ids: tuple[str, ...], sidecar_id: str,
               noticed_at: float, request_log: RequestLog | None = None,
               body_sent_at: float | None = None,
-              confirmation: Confirmation | None = None) -> None:
+              confirmation: Confirmation | None = None, may_start_late: bool = False) -> None:
         """Queue ``ids`` (non-empty) for an abort call at ``engine``; returns at once.
 
         ``noticed_at`` is the ``time.monotonic()`` at which the disconnect was noticed; the
@@ -147,8 +147,11 @@ class Aborter:
         (whatever ``body_sent_at``), spread over the abort connections, for at most
         ``abort.confirm_timeout_s`` after ``noticed_at`` (or the registration window's end, if
         later), and the request's outcome is the verdict (``confirmed``, ``finished``,
-        ``unconfirmed``), unless the first call was refused. Raises ``ValueError`` on an empty
-        ``ids``.
+        ``unconfirmed``), unless the first call was refused. ``may_start_late``: a stream whose
+        engine sends its first byte only once it registered it, and had sent none: if it is
+        still silent at that bound, it is watched on for its start until
+        ``abort.late_start_s`` after ``noticed_at`` (:mod:`sidecar.confirm`; the ids go again
+        when it starts: :meth:`_late_start`). Raises ``ValueError`` on an empty ``ids``.
         """
         if not ids:
             raise ValueError("refusing an empty id list: an engine may read it as 'abort all'")
@@ -175,8 +178,11 @@ class Aborter:
                 # abort.fanout connections, as wide as a re-send would go by its fourth.
                 request.copies = request.resend.calls = request.resend.width = (
                     engine.settings.abort.fanout)
-            confirmation.arm(lambda verdict: self._verdict(engine, request, verdict))
-            self._bounds.add(until, confirmation)
+            late_s = engine.settings.abort.late_start_s
+            confirmation.arm(lambda verdict: self._verdict(engine, request, verdict), until,
+                             lambda: self._late_start(engine, request),
+                             noticed_at + late_s if may_start_late and late_s > 0 else None)
+            self._bounds.add(confirmation)
         elif body_sent_at is not None and window_s > 0 and not self._closed:
             until = body_sent_at + window_s
             if until > noticed_at:
@@ -243,8 +249,14 @@ class Aborter:
                 and queue.flush_token is token else None)
 
     def _schedule_resend(self, queue: Queue, resend: Resend) -> None:
-        heapq.heappush(queue.resends, (resend.due, next(self._order), resend))
+        self._push(queue, resend)
         self._arm(queue)
+
+    def _push(self, queue: Queue, resend: Resend) -> None:
+        """Put ``resend`` in ``queue``'s heap at its ``due``; an entry it had is stale from now
+        (a late start rescheduled it: :meth:`_late_start`)."""
+        resend.slot = next(self._order)
+        heapq.heappush(queue.resends, (resend.due, resend.slot, resend))
 
     def _arm(self, queue: Queue) -> None:
         """One timer per engine, at its earliest re-send (moved only when that gets earlier:
@@ -270,7 +282,9 @@ class Aborter:
                                                                             queue))
             return
         while queue.resends and queue.resends[0][0] <= now + RESEND_COALESCE_S:
-            _, _, resend = heapq.heappop(queue.resends)
+            _, slot, resend = heapq.heappop(queue.resends)
+            if slot != resend.slot:
+                continue
             if resend.confirmation is not None and not resend.stopped:
                 # The engine's answer may be read and held (sidecar.read_pacer.ReadPacer: while
                 # clients leave, engine reads wait so that aborts go first). While clients
@@ -281,7 +295,7 @@ class Aborter:
                 # it is one connection's, not the pool's.
                 if resend.waits_for_pacer(now) or resend.waits_for_close(now):
                     resend.due = min(now + HELD_WAIT_S, resend.until)
-                    heapq.heappush(queue.resends, (resend.due, next(self._order), resend))
+                    self._push(queue, resend)
                     continue
                 resend.confirmation.read_held()
             if resend.stopped:
@@ -304,7 +318,7 @@ class Aborter:
             if resend.confirming and resend.calls >= settings.max_calls:
                 continue  # its bound: the verdict is awaited without more calls
             if resend.advance(max_interval_s):
-                heapq.heappush(queue.resends, (resend.due, next(self._order), resend))
+                self._push(queue, resend)
         if count:
             self._metrics.abort_resent_ids.labels(engine.name).inc(count)
         self._arm(queue)
@@ -478,6 +492,28 @@ class Aborter:
             resend.due = min(max(resend.due, time.monotonic()), resend.until)
             self._schedule_resend(queue, resend)
         self._report(engine, request, outcome)
+
+    def _late_start(self, engine: EngineAdapter, request: Request) -> None:
+        """``request``'s stream began after its bound (the engine registered it late:
+        :mod:`sidecar.confirm`): its ids go again now, then as re-sends after a disconnect, for
+        a new bound ``abort.confirm_timeout_s`` from now (within ``abort.max_calls``)."""
+        resend, confirmation = request.resend, request.confirmation
+        settings = engine.settings.abort
+        if (resend is None or confirmation is None or resend.stopped or self._closed
+                or resend.calls >= settings.max_calls):
+            return
+        now = time.monotonic()
+        log.info("request %s: engine %s began its stream %.3f s after the disconnect, past the "
+                 "confirmation's bound (it registered the request late): naming its ids again",
+                 request.sidecar_id, engine.name, now - request.noticed_at)
+        resend.until = confirmation.bound = now + settings.confirm_timeout_s
+        resend.due, resend.gap = now, CONFIRM_WAIT_S
+        # As a first call: the calls before its start came before its registration, so they
+        # are no misses, and none of its own marks the engine as having several processes
+        # (widen_from after the disconnect: _verdict).
+        resend.width, resend.widen_from, resend.misses, resend.undecided = 1, now, 0, 0
+        self._schedule_resend(self._queue(engine), resend)
+        self._bounds.add(confirmation)
 
     def _verdict(self, engine: EngineAdapter, request: Request, verdict: str) -> None:
         """The engine's verdict on ``request`` (:class:`~sidecar.confirm.Confirmation`): no more

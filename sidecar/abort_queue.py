@@ -27,13 +27,12 @@ from dataclasses import dataclass, field
 
 from engine import EngineAdapter
 from sidecar.abort_call import ACCEPTED
-from sidecar.confirm import Confirmation
+from sidecar.confirm import BOUND_EARLY_S, Confirmation
 from sidecar.logs import RequestLog
 
 MAX_CALLS_PER_ENGINE = 8
 MAX_QUEUED_IDS = 16384  # per engine, waiting for a slot: at most ~8 MB held while an engine hangs
 RESEND_SLOTS = 2  # re-sends start only while fewer calls are in flight: first calls go first
-BOUND_EARLY_S = 0.002  # a confirmation's bound this close is reached (the loop's timers: 1 ms)
 
 
 @dataclass(slots=True, eq=False)
@@ -89,6 +88,7 @@ class Resend:
     misses: int = 0
     undecided: int = 0  # re-sends that found bytes unread, not judged yet
     undecided_at: int = 0  # Confirmation.pieces at the last of them
+    slot: int = -1  # the tie-breaker of its entry in the re-send heap: an older one is stale
 
     def left(self, request: Request) -> None:
         """``request``, a re-send of this one, was answered, or left its line unsent: the next
@@ -193,10 +193,11 @@ class Bounds:
         self._order = itertools.count()  # ties in the heap
         self._timer = EarliestTimer()
 
-    def add(self, until: float, confirmation: Confirmation) -> None:
-        """Expire ``confirmation`` at ``until``."""
-        heapq.heappush(self._heap, (until, next(self._order), confirmation))
-        self._timer.at_most(until, self._due)
+    def add(self, confirmation: Confirmation) -> None:
+        """Expire ``confirmation`` at its bound (:attr:`Confirmation.bound`), and again at each
+        later one it moves to (a late start: :meth:`Confirmation.expire`)."""
+        heapq.heappush(self._heap, (confirmation.bound, next(self._order), confirmation))
+        self._timer.at_most(confirmation.bound, self._due)
 
     def clear(self) -> None:
         self._timer.cancel()
@@ -209,7 +210,10 @@ class Bounds:
         # Within a clock tick counts as due: a re-arm rounded to 0 ms would turn the loop
         # without sleeping until the tick.
         while bounds and bounds[0][0] <= now + BOUND_EARLY_S:
-            heapq.heappop(bounds)[2].expire()  # a no-op for one decided or closed already
+            confirmation = heapq.heappop(bounds)[2]
+            confirmation.expire(now)  # a no-op for one decided or closed already
+            if confirmation.open:  # its bound moved later
+                heapq.heappush(bounds, (confirmation.bound, next(self._order), confirmation))
         if bounds:
             self._timer.at_most(bounds[0][0], self._due)
 

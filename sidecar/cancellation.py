@@ -346,7 +346,8 @@ class Cancellation:
                     confirmation = self.confirmation = Confirmation(upstream)
                 exchange.aborter.abort(
                     engine, ids, exchange.id, noticed_at, exchange.access,
-                    None if registered else noticed_at if later else body_sent_at, confirmation)
+                    None if registered else noticed_at if later else body_sent_at, confirmation,
+                    may_start_late=once_streaming and phase is Phase.BEFORE_FIRST_BYTE)
                 self.aborting += len(ids)
             if self.confirmation is not None and upstream is not None:
                 if exchange.downstream is not None:

@@ -27,6 +27,15 @@ engine still sends, forwards nothing, and gives one verdict:
   disconnect, or the registration window's end if later); the connection is then closed (an
   engine whose own disconnect detection works stops on that).
 
+A late start. vLLM sends a chat or completions stream's first byte only once it registered the
+request (``EngineAdapter.registered_once_streaming``), and a request can register seconds after
+its body: a long prompt tokenized behind others, an API process busy (a real vLLM under a burst
+of 15 prompts of ~4,000 tokens each registered one 2.5 s after its body, past every re-send; it
+then ran for nobody). So a stream whose engine had sent nothing by the bound is not given up:
+it is watched on, up to ``engines.*.abort.late_start_s`` after the disconnect, with no call
+made; when its head comes (:meth:`Confirmation.began`) the aborter is told (``on_start``): it
+names the ids again at once, then re-sends them as after a disconnect, for a new bound.
+
 The abort's re-sends (:mod:`sidecar.abort`) go on until the verdict. The mark is searched only in
 bytes that arrive after the disconnect, over piece boundaries; text a model generates cannot
 forge it, since JSON escapes its quotes (``\\"finish_reason\\"``).
@@ -40,6 +49,8 @@ import time
 from collections.abc import Callable
 
 from sidecar.relay import UpstreamResponse
+
+BOUND_EARLY_S = 0.002  # a confirmation's bound this close is reached (the loop's timers: 1 ms)
 
 CONFIRMED = "confirmed"
 FINISHED = "finished"
@@ -70,8 +81,8 @@ class Confirmation:
     the sidecar stops): the connection is closed at once.
     """
 
-    __slots__ = ("_on_verdict", "_tail", "aborted", "decided_at", "paused", "pieces",
-                 "response", "verdict")
+    __slots__ = ("_on_start", "_on_verdict", "_tail", "aborted", "bound", "decided_at",
+                 "late_until", "paused", "pieces", "response", "verdict")
 
     def __init__(self, response: UpstreamResponse) -> None:
         self.response = response
@@ -80,21 +91,40 @@ class Confirmation:
         self.aborted = False  # the abort mark was seen
         self.pieces = 0  # body pieces the engine sent after the disconnect, read so far
         self.paused = False  # sidecar.relay.Watcher: nobody slow behind it
+        self.bound = 0.0  # time.monotonic() of the verdict unconfirmed, unless one came first
+        # While waiting for a late start (module docstring): its end (else None: none waited).
+        self.late_until: float | None = None
         self._tail = b""
         self._on_verdict: Callable[[str], None] | None = None
+        self._on_start: Callable[[], None] | None = None
 
-    def arm(self, on_verdict: Callable[[str], None]) -> None:
-        """``on_verdict`` is called once with the verdict (not after :meth:`close`). The bound
-        is the caller's: one timer for every confirmation (:class:`sidecar.abort.Aborter`),
-        not one each, since a storm's disconnects arm hundreds in a loop turn."""
+    def arm(self, on_verdict: Callable[[str], None], bound: float,
+            on_start: Callable[[], None] | None = None, late_until: float | None = None) -> None:
+        """``on_verdict`` is called once with the verdict (not after :meth:`close`), at the
+        latest at ``bound`` (``time.monotonic()``), when :meth:`expire` is called: one timer for
+        every confirmation (:class:`sidecar.abort.Aborter`'s), not one each, since a storm's
+        disconnects arm hundreds in a loop turn. ``late_until``: a stream the engine has sent
+        nothing of by then waits for its start until this instead (module docstring);
+        ``on_start`` is called when its head comes meanwhile."""
         self._on_verdict = on_verdict
+        self.bound = bound
+        self._on_start = on_start
+        self.late_until = late_until
 
     @property
     def open(self) -> bool:
         """True while no verdict was given and the watch was not closed."""
         return self.verdict is None and self._on_verdict is not None
 
+    @property
+    def waiting_start(self) -> bool:
+        """True while a late start is awaited: past its first bound, the engine silent."""
+        return self.open and self.late_until is not None and self.bound == self.late_until
+
     # sidecar.relay.Watcher
+    def began(self) -> None:
+        self._started()
+
     def write(self, piece: bytes) -> None:
         self.pieces += 1
         if self.aborted:
@@ -176,18 +206,34 @@ class Confirmation:
 
     def close(self) -> None:
         """Stop watching without a verdict and close the upstream connection now."""
-        self._on_verdict = None
+        self._on_verdict = self._on_start = None  # they hold the aborter's request: a cycle
         self.response.close()
 
-    def expire(self) -> None:
-        """The bound was reached: :data:`UNCONFIRMED` if no verdict came (else nothing)."""
-        if self.open:
-            self._decide(UNCONFIRMED)
+    def expire(self, now: float) -> None:
+        """A bound was reached (``now``, within a clock tick of :attr:`bound`, or a bound moved
+        later since: then nothing): :data:`UNCONFIRMED` if no verdict came, unless the stream
+        is still silent and a late start may be waited for (:attr:`late_until`): then
+        :attr:`bound` moves there."""
+        if not self.open or now < self.bound - BOUND_EARLY_S:
+            return
+        response = self.response
+        if (self.late_until is not None and self.bound < self.late_until
+                and response.head_bytes == 0 and self.pieces == 0):
+            self.bound = self.late_until
+            return
+        self._decide(UNCONFIRMED)
+
+    def _started(self) -> None:
+        """The engine began the stream after the client left: waited for as a late start, the
+        aborter names its ids again (``on_start``)."""
+        if self.waiting_start and self._on_start is not None:
+            self._on_start()
 
     def _decide(self, verdict: str) -> None:
         self.verdict = verdict
         self.decided_at = time.monotonic()
         self.response.close()  # a no-op for a response read to its end; never left open
         on_verdict, self._on_verdict = self._on_verdict, None
+        self._on_start = None  # it holds the aborter's request: a cycle
         if on_verdict is not None:
             on_verdict(verdict)

@@ -154,9 +154,12 @@ class Downstream:
 
 class Watcher(Protocol):
     """What reads a response after its client left and its engine was told to abort it
-    (:class:`sidecar.confirm.Confirmation`): every body piece, then its end or loss."""
+    (:class:`sidecar.confirm.Confirmation`): its head if it comes only then (:meth:`began`),
+    every body piece, then its end or loss."""
 
     paused: bool  # never: nobody slow is behind it
+
+    def began(self) -> None: ...
 
     def write(self, piece: bytes) -> None: ...
 
@@ -232,6 +235,8 @@ class UpstreamResponse:
         self.headers = CIMultiDictProxy(CIMultiDict(self._fields))
         if not self.head.done():  # cancelled with a handler whose client left: watched now
             self.head.set_result(None)
+        if self.watcher is not None:  # the engine began it after its client left
+            self.watcher.began()
         if self.head_only:  # a response to HEAD: no body, whatever its framing says
             raise _HeadOnly
 

@@ -18,6 +18,7 @@ import asyncio
 import contextlib
 import gc
 import ssl
+import time
 from collections.abc import AsyncIterator
 from pathlib import Path
 
@@ -249,7 +250,7 @@ async def _watched(pool: UpstreamPool, engine: Engine) -> tuple[
     await response.head
     verdict: asyncio.Future[str] = asyncio.get_running_loop().create_future()
     confirmation = Confirmation(response)
-    confirmation.arm(verdict.set_result)
+    confirmation.arm(verdict.set_result, bound=time.monotonic() + 60)
     pool.reads.hold()  # the client left: its abort is queued (cancellation.Cancellation._abort_now)
     response.watch(confirmation)
     return pool, connection, confirmation, verdict
@@ -332,7 +333,7 @@ async def test_an_end_waiting_in_the_socket_is_unread_until_the_relay_reads_it(
             await response.head
             verdict: asyncio.Future[str] = asyncio.get_running_loop().create_future()
             confirmation = Confirmation(response)
-            confirmation.arm(verdict.set_result)
+            confirmation.arm(verdict.set_result, bound=time.monotonic() + 60)
             response.watch(confirmation)  # no client leaving: read at once, not parked
             assert not connection.parked
             assert not confirmation.unread, "expected nothing unread: the engine sent nothing"

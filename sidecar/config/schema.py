@@ -109,6 +109,14 @@ class AbortSettings(_Model):
     closed; 0: no confirmation (the upstream closed at once, outcome ``accepted``, re-sends only
     inside the registration window).
 
+    A late start (vllm's chat and completions: a stream's first byte comes only once the engine
+    registered it). A stream whose engine had sent nothing by that bound may still be
+    registering (a long prompt behind others, an API process busy for seconds): it is watched on
+    for ``late_start_s`` seconds after the disconnect, sending nothing; if its response begins
+    meanwhile, the abort goes again at once, and confirmation starts over for
+    ``confirm_timeout_s``. 0: ``unconfirmed`` at the bound, as for any other
+    request.
+
     ``when_unavailable``: ``not_ready`` or ``close_only``, what ``/readyz`` says while the
     engine is up but its abort endpoint refuses (:class:`WhenAbortUnavailable`).
     """
@@ -120,6 +128,7 @@ class AbortSettings(_Model):
     resend_window_s: SecondsOrZero = 2.0
     resend_max_interval_s: Seconds = 0.2
     confirm_timeout_s: SecondsOrZero = 2.0
+    late_start_s: SecondsOrZero = 30.0
     connections: Annotated[int, Field(ge=1, le=64), NotBool] = 16
     fanout: Annotated[int, Field(ge=1, le=64), NotBool] = 8
     max_calls: Annotated[int, Field(ge=1, le=1000), NotBool] = 64

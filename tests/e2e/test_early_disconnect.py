@@ -60,7 +60,7 @@ from tests.e2e.test_vllm_e2e import (  # model_dir: the same fixture (and model 
     sidecar_counter,
 )
 from tests.harness.e2e.measure import MetricsSampler, Sample
-from tests.harness.e2e.sidecar_process import SidecarProcess
+from tests.harness.e2e.sidecar_process import SidecarProcess, start_sidecar
 from tests.harness.e2e.vllm_server import VLLMServer, read_metrics
 
 __all__ = ["model_dir"]  # a fixture shared with tests/e2e/test_vllm_e2e.py
@@ -470,3 +470,47 @@ def test_many_resets_at_once_leave_nothing_running(
         f"closed, no token for {QUIET_S}s, and no request tracked by vLLM then, after "
         f"{len(resets)} clients reset {BURST_DELAYS_MS[0]}-{BURST_DELAYS_MS[-1]} ms after their "
         f"bodies at once; got {outcome}")
+
+
+# A late start (engines.*.abort.late_start_s, sidecar/confirm.py): a sidecar whose registration
+# window is 0 and confirmation bound 1 ms, so vLLM registers a request after every call of the
+# first bound; the default late_start_s then watches the stream on and names its id again once its
+# head comes. ``late_start_s: 0`` is the contrast (recorded in the table, not asserted: it depends
+# on vLLM registering later than 1 ms after the disconnect; here 4 of 4 ran on, 251-400 tokens).
+LATE_ABORT = {"resend_window_s": 0, "confirm_timeout_s": 0.001}
+LATE_RESET_MS = 5  # at 0 ms the sidecar may still be writing the body upstream: nothing to abort
+LATE_CASES = [(30.0, 1), (30.0, 2), (0.0, 1)]
+
+
+@pytest.mark.parametrize(("late_start_s", "trial"), LATE_CASES,
+                         ids=[f"late_start_s {s:g}, {n}" for s, n in LATE_CASES])
+def test_a_stream_registered_after_every_call_stops_once_it_starts(
+        late_start_s: float, trial: int, engine: VLLMServer, model_dir: Path,
+        sampler: MetricsSampler, table: list[dict[str, Any]],
+        tmp_path_factory: pytest.TempPathFactory) -> None:
+    """A chat stream reset 5 ms after its body, vLLM registering it after the sidecar's
+    registration window (0) and confirmation bound (1 ms) closed: with a late start it stops
+    at vLLM once its head comes (read at /metrics, and nothing tracked then), and the sidecar's
+    log says it took that path."""
+    sc = start_sidecar(engine.base_url, tmp_path_factory.mktemp("late-start"),
+                       abort={**LATE_ABORT, "late_start_s": late_start_s})
+    try:
+        before = abort_calls(sc), log_size(sc)
+        first_sample(sampler)
+        reset = send_and_reset(sc.base_url, "chat stream", request_body(model_dir, "chat stream"),
+                               LATE_RESET_MS)
+        outcome = finish(engine, sc, before, watch(sampler, reset.reset_at, reset.sent_at))
+        late = sc.log_text()[before[1]:].count("past the confirmation's bound")
+    finally:
+        assert sc.stop() == 0, f"expected the sidecar to exit 0; log tail:\n{sc.log_text()[-3000:]}"
+    record(table, f"late start, late_start_s {late_start_s:g}", [reset], 1, outcome)
+    if late_start_s:
+        assert not outcome.leaked, (
+            f"expected the stream stopped at vLLM once it started (late_start_s "
+            f"{late_start_s}), nothing running {GUARD_S}s after the reset; got {outcome}")
+        assert outcome.sidecar_phase == "before_first_byte", (
+            f"expected the client gone with the body at vLLM, before the first byte; the "
+            f"sidecar's access line says {outcome.sidecar_phase!r}")
+        assert late == 1, (
+            f"expected the sidecar to log the late start once (vLLM registered the request past "
+            f"the 1 ms bound), got {late}: the case was not exercised")

@@ -26,6 +26,7 @@ import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import yaml
 
@@ -76,14 +77,15 @@ class SidecarProcess:
         return self.proc.returncode
 
 
-def write_config(path: Path, engine_url: str, log_level: str = "INFO") -> Path:
-    """Write a sidecar YAML: one vLLM engine at ``engine_url``, every path routed to it,
-    proxy and admin on 127.0.0.1 port 0 (free ports)."""
+def write_config(path: Path, engine_url: str, log_level: str = "INFO",
+                 abort: dict[str, Any] | None = None) -> Path:
+    """Write a sidecar YAML: one vLLM engine at ``engine_url`` (``abort``: more of its abort
+    settings), every path routed to it, proxy and admin on 127.0.0.1 port 0 (free ports)."""
     tree = {
         "listen": {"host": "127.0.0.1", "port": 0},
         "admin": {"host": "127.0.0.1", "port": 0},
         "engines": {"local": {"kind": "vllm", "url": engine_url,
-                              "abort": {"timeout_s": 5.0}}},
+                              "abort": {"timeout_s": 5.0, **(abort or {})}}},
         "routes": [{"prefix": "/", "engine": "local"}],
         "log_level": log_level,
     }
@@ -92,14 +94,16 @@ def write_config(path: Path, engine_url: str, log_level: str = "INFO") -> Path:
 
 
 def start_sidecar(engine_url: str, workdir: Path, *, startup_timeout: float = 30.0,
-                  python: str = sys.executable) -> SidecarProcess:
-    """Start ``python -m sidecar --config workdir/sidecar.yaml`` and wait for its ready line.
+                  python: str = sys.executable,
+                  abort: dict[str, Any] | None = None) -> SidecarProcess:
+    """Start ``python -m sidecar --config workdir/sidecar.yaml`` and wait for its ready line
+    (``abort``: more of the engine's abort settings, :func:`write_config`).
 
     Raises ``RuntimeError`` with the log tail if the process exits or ``startup_timeout``
     seconds pass first (the process is killed then).
     """
     workdir.mkdir(parents=True, exist_ok=True)
-    config = write_config(workdir / "sidecar.yaml", engine_url)
+    config = write_config(workdir / "sidecar.yaml", engine_url, abort=abort)
     stdout_path, log_path = workdir / "sidecar.stdout", workdir / "sidecar.log"
     env = dict(os.environ)
     env["PYTHONPATH"] = os.pathsep.join(

@@ -1,0 +1,167 @@
+"""A late start: vLLM registers a request later than every re-send, and the stream's own start
+sends the abort again (``engines.*.abort.late_start_s``, :mod:`sidecar.confirm`).
+
+vLLM sends a chat or completions stream's first byte only once it registered the request, and it
+can register one seconds after its body (a real vLLM under a burst of 15 long prompts registered
+one 2.5 s after its body: the registration window and the confirmation's bound had passed, its
+upstream was closed, and behind a disconnect-hiding layer it ran for nobody). The fake of
+``tests/fakes/kinds.py`` does the same (``register_delay``; blind to its connections: only an
+abort stops it). Every "stopped" is read at the engine (``Work``), never from the sidecar.
+
+Settings: registration window and confirmation bound 0.3 s each, the engine registering 1.0 s
+after the body (late), the client gone 50 ms after its last body byte, before any response byte.
+
+- ``test_a_stream_registered_late_is_aborted_once_it_starts`` (1 and 4 API-server processes):
+  stopped at the engine within ``STARTED_ABORT_S`` of its registration, ``confirmed``; with
+  ``late_start_s: 0`` the same request runs to its end (the case this covers: it fails without);
+- ``test_a_json_request_is_not_waited_for``: a JSON chat sends nothing until its whole answer,
+  so its start tells nothing: its upstream is closed at the bound, as before;
+- ``test_a_start_later_than_late_start_s_is_unconfirmed``: the wait ends at ``late_start_s``
+  after the disconnect, upstream closed then, outcome ``unconfirmed``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator, Callable
+from typing import Any
+
+import pytest
+import pytest_asyncio
+import yaml
+
+from sidecar.config import parse_config
+from sidecar.server import Servers
+from tests.fakes.kinds import VLLMEngine, Work
+from tests.harness.cli_process import config_tree
+from tests.harness.support import (
+    API_KEY,
+    FOREVER,
+    Stalls,
+    metrics,
+    ms,
+    raw_client,
+    request_body,
+    sample,
+    wait_metric,
+)
+
+pytestmark = pytest.mark.timeout(120)
+
+CHAT = {"messages": [{"role": "user", "content": "hi"}]}
+BOUND_S = 0.3  # resend_window_s and confirm_timeout_s
+REGISTER_S = 1.0  # body -> registered: after the bound
+GEN = "tokens=150&interval=0.02"  # 3 s once registered: a missed abort shows as ran_to_end
+LEFT_S = 0.05  # last body byte -> the client's RST
+STARTED_ABORT_S = 0.5  # registered -> stopped: one round trip on an idle box; a guard bound
+
+
+@pytest_asyncio.fixture
+async def fakes() -> AsyncIterator[list[VLLMEngine]]:
+    """Requested before ``start_sidecar``: stopped after the sidecar."""
+    started: list[VLLMEngine] = []
+    yield started
+    for fake in started:
+        await fake.stop()
+
+
+async def deploy(fakes: list[VLLMEngine], start_sidecar: Callable[..., Any], processes: int,
+                 **abort: Any) -> tuple[VLLMEngine, Servers]:
+    fake = VLLMEngine(API_KEY, api_servers=processes, accept="least_connections", seed=7)
+    await fake.start()
+    fakes.append(fake)
+    tree = config_tree(fake.url, api_key=API_KEY, log_level="WARNING", engines={"local": {
+        "kind": "vllm", "url": fake.url, "abort": {
+            "api_key": API_KEY, "resend_window_s": BOUND_S, "confirm_timeout_s": BOUND_S,
+            **abort}}})
+    servers: Servers = await start_sidecar(parse_config(yaml.safe_dump(tree), "<test>", env={}))
+    assert await fake.watch.until(lambda: len(fake.connections) >= 16, 5.0), (
+        "expected the 16 warm abort connections open at the engine")
+    return fake, servers
+
+
+async def leave_early(fake: VLLMEngine, servers: Servers, stalls: Stalls, stream: bool,
+                      register_s: float = REGISTER_S) -> tuple[Work, float]:
+    """A chat request whose client resets ``LEFT_S`` after its body, before any response byte;
+    returns its work at the engine and the client's close time."""
+    async with raw_client(servers.proxy_port, stalls) as c:
+        c.send("POST", f"/v1/chat/completions?{GEN}&register_delay={register_s}",
+               request_body({**CHAT, "tag": "late"}, stream))
+        await stalls.wait(fake.watch.until(lambda: bool(fake.works), FOREVER),
+                          "the engine to get the body")
+        await asyncio.sleep(LEFT_S)
+        left = c.disconnect("rst")
+    work = fake.works[-1]
+    assert work.registered_at is None, f"registered before the client left: {work}"
+    return work, left
+
+
+@pytest.mark.parametrize("processes", [1, 4])
+async def test_a_stream_registered_late_is_aborted_once_it_starts(
+        fakes: list[VLLMEngine], start_sidecar: Callable[..., Any], stalls: Stalls,
+        processes: int) -> None:
+    fake, servers = await deploy(fakes, start_sidecar, processes, late_start_s=5.0)
+    work, left = await leave_early(fake, servers, stalls, stream=True)
+    await stalls.wait(fake.watch.until(lambda: not work.running, FOREVER),
+                      "the late stream stopped at the engine", 10.0)
+    registered = work.registered_at
+    assert registered is not None and registered - left > BOUND_S, (
+        f"expected it registered after the bound: {work}")
+    assert not work.ran_to_end and work.stopped_at is not None, f"it ran on: {work}"
+    assert work.stopped_at - registered <= STARTED_ABORT_S, (
+        f"stopped {ms(work.stopped_at - registered)} after its registration, expected within "
+        f"{ms(STARTED_ABORT_S)}: {work}")
+    assert work.ignored, "expected the calls before the registration to be ignored (the case)"
+    await wait_metric(stalls, servers.admin_port or 0, "cancel_sidecar_aborted_requests_total",
+                      1, engine="local", outcome="confirmed")
+    assert sample(await metrics(servers.admin_port or 0), "cancel_sidecar_aborted_requests_total",
+                  engine="local", outcome="unconfirmed") == 0
+
+
+async def test_without_late_start_a_late_stream_runs_on(
+        fakes: list[VLLMEngine], start_sidecar: Callable[..., Any], stalls: Stalls) -> None:
+    """``late_start_s: 0``: unconfirmed at the bound, the upstream closed, and the blind engine
+    runs the request for nobody: what the test above covers."""
+    fake, servers = await deploy(fakes, start_sidecar, 1, late_start_s=0)
+    work, left = await leave_early(fake, servers, stalls, stream=True)
+    await stalls.wait(fake.watch.until(lambda: work.closed_at is not None, FOREVER),
+                      "the upstream closed at the bound")
+    assert work.closed_at is not None and work.closed_at - left < REGISTER_S, work
+    await stalls.wait(fake.watch.until(lambda: not work.running, FOREVER),
+                      "the stream to end at the engine", 10.0)
+    assert work.ran_to_end, f"expected it to run to its end for nobody: {work}"
+    await wait_metric(stalls, servers.admin_port or 0, "cancel_sidecar_aborted_requests_total",
+                      1, engine="local", outcome="unconfirmed")
+
+
+async def test_a_json_request_is_not_waited_for(
+        fakes: list[VLLMEngine], start_sidecar: Callable[..., Any], stalls: Stalls) -> None:
+    """A JSON answer's first byte comes with its end: nothing to wait for; the upstream is
+    closed at the bound (an engine that sees the close stops there), outcome unconfirmed."""
+    fake, servers = await deploy(fakes, start_sidecar, 1, late_start_s=5.0)
+    work, left = await leave_early(fake, servers, stalls, stream=False)
+    await stalls.wait(fake.watch.until(lambda: work.closed_at is not None, FOREVER),
+                      "the upstream closed at the bound")
+    assert work.closed_at is not None
+    assert work.closed_at - left < REGISTER_S, (
+        f"the upstream was closed {ms(work.closed_at - left)} after the client left: waited "
+        f"for a start that a JSON answer never shows")
+    await wait_metric(stalls, servers.admin_port or 0, "cancel_sidecar_aborted_requests_total",
+                      1, engine="local", outcome="unconfirmed")
+
+
+async def test_a_start_later_than_late_start_s_is_unconfirmed(
+        fakes: list[VLLMEngine], start_sidecar: Callable[..., Any], stalls: Stalls) -> None:
+    """The wait for a start ends ``late_start_s`` after the disconnect: upstream closed then
+    (not at the bound, not later), outcome unconfirmed."""
+    fake, servers = await deploy(fakes, start_sidecar, 1, late_start_s=1.0)
+    work, left = await leave_early(fake, servers, stalls, stream=True, register_s=3.0)
+    await stalls.wait(fake.watch.until(lambda: work.closed_at is not None, FOREVER),
+                      "the upstream closed at late_start_s")
+    assert work.closed_at is not None
+    waited = work.closed_at - left
+    assert 0.9 <= waited < 2.5, (
+        f"the upstream was closed {ms(waited)} after the client left, expected ~1 s "
+        f"(late_start_s)")
+    await wait_metric(stalls, servers.admin_port or 0, "cancel_sidecar_aborted_requests_total",
+                      1, engine="local", outcome="unconfirmed")
