@@ -473,7 +473,10 @@ class Aborter:
                     # engine had time to end the response (it aborts after it answers: vLLM's
                     # endpoint starts the abort in a task).
                     self._confirming[request] = engine
-                    if resend is not None and not resend.stopped and not self._closed:
+                    # Not while a late start is awaited (nothing to name before it), nor once
+                    # one came (it scheduled its own re-sends: _late_start).
+                    if (resend is not None and not resend.stopped and not self._closed
+                            and resend.slot < 0 and not confirmation.waiting_start):
                         # As long again as the answer took from the disconnect (a loaded loop,
                         # a storm: the end is read as late as the answer was), at least
                         # CONFIRM_WAIT_S.
@@ -496,13 +499,19 @@ class Aborter:
     def _late_start(self, engine: EngineAdapter, request: Request) -> None:
         """``request``'s stream began after its bound (the engine registered it late:
         :mod:`sidecar.confirm`): its ids go again now, then as re-sends after a disconnect, for
-        a new bound ``abort.confirm_timeout_s`` from now (within ``abort.max_calls``)."""
+        a new bound ``abort.confirm_timeout_s`` from now, within ``abort.max_calls`` calls of
+        their own (every call before came before the registration: an engine marked as having
+        several processes spends the first budget within its bound). If its re-sends were
+        stopped (a call refused, or given way in a full queue) or the sidecar stops:
+        ``unconfirmed`` now, and the upstream closed."""
         resend, confirmation = request.resend, request.confirmation
-        settings = engine.settings.abort
-        if (resend is None or confirmation is None or resend.stopped or self._closed
-                or resend.calls >= settings.max_calls):
+        if confirmation is None:
+            return
+        if resend is None or resend.stopped or self._closed:
+            confirmation.give_up()
             return
         now = time.monotonic()
+        settings = engine.settings.abort
         log.info("request %s: engine %s began its stream %.3f s after the disconnect, past the "
                  "confirmation's bound (it registered the request late): naming its ids again",
                  request.sidecar_id, engine.name, now - request.noticed_at)
@@ -512,6 +521,7 @@ class Aborter:
         # are no misses, and none of its own marks the engine as having several processes
         # (widen_from after the disconnect: _verdict).
         resend.width, resend.widen_from, resend.misses, resend.undecided = 1, now, 0, 0
+        resend.calls = 0
         self._schedule_resend(self._queue(engine), resend)
         self._bounds.add(confirmation)
 

@@ -29,12 +29,13 @@ engine still sends, forwards nothing, and gives one verdict:
 
 A late start. vLLM sends a chat or completions stream's first byte only once it registered the
 request (``EngineAdapter.registered_once_streaming``), and a request can register seconds after
-its body: a long prompt tokenized behind others, an API process busy (a real vLLM under a burst
-of 15 prompts of ~4,000 tokens each registered one 2.5 s after its body, past every re-send; it
-then ran for nobody). So a stream whose engine had sent nothing by the bound is not given up:
-it is watched on, up to ``engines.*.abort.late_start_s`` after the disconnect, with no call
-made; when its head comes (:meth:`Confirmation.began`) the aborter is told (``on_start``): it
-names the ids again at once, then re-sends them as after a disconnect, for a new bound.
+its body: a long prompt tokenized behind others, an API process busy (a real vLLM on a 2-core
+box, under a burst of 15 prompts of 1,500-3,500 tokens, registered one more than 2 s after its
+body, past every re-send; it then ran 527 tokens for nobody). So a stream whose engine had sent
+nothing by the bound is not given up: it is watched on, up to ``engines.*.abort.late_start_s``
+after the disconnect, with no call made; when its head comes (:meth:`Confirmation.began`) the
+aborter is told (``on_start``): it names the ids again at once, then re-sends them as after a
+disconnect, for a new bound.
 
 The abort's re-sends (:mod:`sidecar.abort`) go on until the verdict. The mark is searched only in
 bytes that arrive after the disconnect, over piece boundaries; text a model generates cannot
@@ -222,6 +223,12 @@ class Confirmation:
             self.bound = self.late_until
             return
         self._decide(UNCONFIRMED)
+
+    def give_up(self) -> None:
+        """Nothing can confirm it any more (a late start that cannot be aborted again):
+        :data:`UNCONFIRMED` now, if no verdict came."""
+        if self.open:
+            self._decide(UNCONFIRMED)
 
     def _started(self) -> None:
         """The engine began the stream after the client left: waited for as a late start, the

@@ -3,10 +3,10 @@ sends the abort again (``engines.*.abort.late_start_s``, :mod:`sidecar.confirm`)
 
 vLLM sends a chat or completions stream's first byte only once it registered the request, and it
 can register one seconds after its body (a real vLLM under a burst of 15 long prompts registered
-one 2.5 s after its body: the registration window and the confirmation's bound had passed, its
-upstream was closed, and behind a disconnect-hiding layer it ran for nobody). The fake of
-``tests/fakes/kinds.py`` does the same (``register_delay``; blind to its connections: only an
-abort stops it). Every "stopped" is read at the engine (``Work``), never from the sidecar.
+one more than 2 s after its body: the registration window and the confirmation's bound had
+passed, its upstream was closed, and behind a disconnect-hiding layer it ran for nobody). The
+fake of ``tests/fakes/kinds.py`` does the same (``register_delay``; blind to its connections:
+only an abort stops it). Every "stopped" is read at the engine (``Work``), never from the sidecar.
 
 Settings: registration window and confirmation bound 0.3 s each, the engine registering 1.0 s
 after the body (late), the client gone 50 ms after its last body byte, before any response byte.
@@ -14,6 +14,9 @@ after the body (late), the client gone 50 ms after its last body byte, before an
 - ``test_a_stream_registered_late_is_aborted_once_it_starts`` (1 and 4 API-server processes):
   stopped at the engine within ``STARTED_ABORT_S`` of its registration, ``confirmed``; with
   ``late_start_s: 0`` the same request runs to its end (the case this covers: it fails without);
+- ``test_a_late_start_has_calls_of_its_own``: ``max_calls: 3``, all spent inside the first bound
+  (as an engine marked as having several API-server processes spends 64, 8 at a time): the late
+  start still names the ids, and the stream stops (before: it ran to its end, ``finished``);
 - ``test_a_json_request_is_not_waited_for``: a JSON chat sends nothing until its whole answer,
   so its start tells nothing: its upstream is closed at the bound, as before;
 - ``test_a_start_later_than_late_start_s_is_unconfirmed``: the wait ends at ``late_start_s``
@@ -116,6 +119,20 @@ async def test_a_stream_registered_late_is_aborted_once_it_starts(
                       1, engine="local", outcome="confirmed")
     assert sample(await metrics(servers.admin_port or 0), "cancel_sidecar_aborted_requests_total",
                   engine="local", outcome="unconfirmed") == 0
+
+
+async def test_a_late_start_has_calls_of_its_own(
+        fakes: list[VLLMEngine], start_sidecar: Callable[..., Any], stalls: Stalls) -> None:
+    fake, servers = await deploy(fakes, start_sidecar, 1, late_start_s=5.0, max_calls=3)
+    work, _ = await leave_early(fake, servers, stalls, stream=True)
+    await stalls.wait(fake.watch.until(lambda: not work.running, FOREVER),
+                      "the late stream stopped at the engine", 10.0)
+    engine_id = work.engine_ids[0]
+    before = [c for c in fake.calls if engine_id in c.ids and c.at < (work.registered_at or 0)]
+    assert len(before) == 3, f"expected max_calls (3) calls before the registration: {before}"
+    assert not work.ran_to_end and work.stopped_at is not None, f"it ran on: {work}"
+    await wait_metric(stalls, servers.admin_port or 0, "cancel_sidecar_aborted_requests_total",
+                      1, engine="local", outcome="confirmed")
 
 
 async def test_without_late_start_a_late_stream_runs_on(
