@@ -198,34 +198,14 @@ class Exchange(Ticket):
             return self.cancelling().fail(UpstreamProtocolError(
                 f"{engine.base_url} sent a response head (a header or the reason phrase) with "
                 f"a control character"))
-        response = self.response = RelayedResponse(
-            status=upstream.status, reason=upstream.reason,
-            headers=downstream_response_headers(upstream.headers))
-        response.headers[REQUEST_ID] = self.id
-        if client_id is not None:
-            response.headers[CLIENT_REQUEST_ID] = client_id
-        if request.version < HttpVersion11 and "Content-Length" not in response.headers:
-            # The body's end is the close (no chunked before HTTP/1.1). aiohttp 3.14 decides so
-            # in prepare but keeps the connection for a client that asked for keep-alive: the
-            # client would wait for an end that never comes.
-            response.force_close()
-        transport = request.transport
-        if transport is None or transport.is_closing():
-            # The client left while the engine answered the head (its handler's cancellation
-            # waits its turn: sidecar.downstream.TeardownPacer); a closed transport refuses
-            # even set_write_buffer_limits.
-            raise ConnectionResetError("the client left before the response began")
-        # Past this many unsent bytes, response.write waits (aiohttp drains every 64 KiB).
-        transport.set_write_buffer_limits(high=self.runtime.settings.downstream.write_buffer_bytes)
-        await response.prepare(request)
-        self.status_sent = response.status
+        response, downstream = await begin_response(
+            request, upstream, self.id, client_id,
+            self.runtime.settings.downstream.write_buffer_bytes)
+        self.response, self.downstream, self.status_sent = response, downstream, response.status
         # aiohttp writes the head with the body that came with it (one write: RelayedResponse;
         # with the end too if the whole response is here: a JSON answer, a short stream). From
         # there the body goes from the engine's socket to the client's transport in the relay's
-        # protocol callbacks (sidecar.relay), framed as aiohttp chose (chunked, or as is), and
-        # aiohttp writes the end.
-        writer = cast(StreamWriter, request.writer)
-        downstream = self.downstream = Downstream(transport, writer.chunked)
+        # protocol callbacks (sidecar.relay), and aiohttp writes the end.
         first = upstream.take_pending()
         if first:
             downstream.account(first)
@@ -234,6 +214,7 @@ class Exchange(Ticket):
             self._recorded_over()
             await response.write_eof(first)
             return response
+        writer = cast(StreamWriter, request.writer)
         if first:
             # No drain here: while the handler waited, the engine's bytes would pile up unread
             # by the relay; the relay pauses reading instead if the client is behind.
@@ -370,6 +351,35 @@ class Exchange(Ticket):
 # proxy app; the admin listener of the same process (or a --workers worker's control listener)
 # reads it through cancel.local_canceller.
 EXCHANGES: web.AppKey[dict[str, Exchange]] = web.AppKey("exchanges")
+
+
+async def begin_response(request: web.Request, upstream: UpstreamResponse, request_id: str,
+                         client_id: str | None, write_buffer_bytes: int
+                         ) -> tuple[RelayedResponse, Downstream]:
+    """The client's response to the engine's head (``upstream``), prepared: the engine's
+    status, reason and fields (less the hop-by-hop ones), ``X-Request-Id`` (``request_id``)
+    and ``X-Client-Request-Id`` (``client_id``, if the client sent one); aiohttp writes it with
+    the first body bytes (:class:`RelayedResponse`). Returns it and its byte path, framed as
+    aiohttp chose (chunked, or as is), which waits once ``write_buffer_bytes`` are unsent.
+    Raises ``ConnectionResetError`` if the client left while the engine answered the head (its
+    handler's cancellation waits its turn: :class:`sidecar.downstream.TeardownPacer`)."""
+    response = RelayedResponse(status=upstream.status, reason=upstream.reason,
+                               headers=downstream_response_headers(upstream.headers))
+    response.headers[REQUEST_ID] = request_id
+    if client_id is not None:
+        response.headers[CLIENT_REQUEST_ID] = client_id
+    if request.version < HttpVersion11 and "Content-Length" not in response.headers:
+        # The body's end is the close (no chunked before HTTP/1.1). aiohttp 3.14 decides so in
+        # prepare but keeps the connection for a client that asked for keep-alive: the client
+        # would wait for an end that never comes.
+        response.force_close()
+    transport = request.transport
+    if transport is None or transport.is_closing():  # it refuses even the limits then
+        raise ConnectionResetError("the client left before the response began")
+    # Past this many unsent bytes, response.write waits (aiohttp drains every 64 KiB).
+    transport.set_write_buffer_limits(high=write_buffer_bytes)
+    await response.prepare(request)
+    return response, Downstream(transport, cast(StreamWriter, request.writer).chunked)
 
 
 def _left_first(exc: BaseException) -> ConnectionResetError:
