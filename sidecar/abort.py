@@ -515,6 +515,7 @@ class Aborter:
         log.info("request %s: engine %s began its stream %.3f s after the disconnect, past the "
                  "confirmation's bound (it registered the request late): naming its ids again",
                  request.sidecar_id, engine.name, now - request.noticed_at)
+        self._metrics.child(self._metrics.abort_late_starts, engine.name).inc()
         resend.until = confirmation.bound = now + settings.confirm_timeout_s
         resend.due, resend.gap = now, CONFIRM_WAIT_S
         # As a first call: the calls before its start came before its registration, so they

@@ -70,6 +70,13 @@ class Metrics:
             "its ids re-sent while the engine may still be registering them (an engine ignores "
             "an abort for an id it does not know yet).",
             ["engine"], registry=registry)
+        self.abort_late_starts = Counter(
+            "cancel_sidecar_abort_late_starts_total",
+            "Streams whose engine began them only after their abort confirmation's bound (it "
+            "registered the request late), by engine: their ids were named again then "
+            "(engines.*.abort.late_start_s). Many: the engine registers requests slowly; raise "
+            "resend_window_s.",
+            ["engine"], registry=registry)
         self.aborted_requests = Counter(
             "cancel_sidecar_aborted_requests_total",
             "Requests whose engine ids the sidecar set out to abort, by engine and the final "

@@ -117,8 +117,10 @@ async def test_a_stream_registered_late_is_aborted_once_it_starts(
     assert work.ignored, "expected the calls before the registration to be ignored (the case)"
     await wait_metric(stalls, servers.admin_port or 0, "cancel_sidecar_aborted_requests_total",
                       1, engine="local", outcome="confirmed")
-    assert sample(await metrics(servers.admin_port or 0), "cancel_sidecar_aborted_requests_total",
-                  engine="local", outcome="unconfirmed") == 0
+    values = await metrics(servers.admin_port or 0)
+    assert sample(values, "cancel_sidecar_aborted_requests_total", engine="local",
+                  outcome="unconfirmed") == 0
+    assert sample(values, "cancel_sidecar_abort_late_starts_total", engine="local") == 1
 
 
 async def test_a_late_start_has_calls_of_its_own(
@@ -165,6 +167,8 @@ async def test_a_json_request_is_not_waited_for(
         f"for a start that a JSON answer never shows")
     await wait_metric(stalls, servers.admin_port or 0, "cancel_sidecar_aborted_requests_total",
                       1, engine="local", outcome="unconfirmed")
+    assert sample(await metrics(servers.admin_port or 0),
+                  "cancel_sidecar_abort_late_starts_total", engine="local") == 0
 
 
 async def test_a_start_later_than_late_start_s_is_unconfirmed(
