@@ -124,7 +124,10 @@ class Confirmation:
 
     # sidecar.relay.Watcher
     def began(self) -> None:
-        self._started()
+        """The engine began the stream after the client left: waited for as a late start, the
+        aborter names its ids again (``on_start``)."""
+        if self.waiting_start and self._on_start is not None:
+            self._on_start()
 
     def write(self, piece: bytes) -> None:
         self.pieces += 1
@@ -229,12 +232,6 @@ class Confirmation:
         :data:`UNCONFIRMED` now, if no verdict came."""
         if self.open:
             self._decide(UNCONFIRMED)
-
-    def _started(self) -> None:
-        """The engine began the stream after the client left: waited for as a late start, the
-        aborter names its ids again (``on_start``)."""
-        if self.waiting_start and self._on_start is not None:
-            self._on_start()
 
     def _decide(self, verdict: str) -> None:
         self.verdict = verdict

@@ -26,19 +26,14 @@ after the body (late), the client gone 50 ms after its last body byte, before an
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator, Callable
+from collections.abc import Callable
 from typing import Any
 
 import pytest
-import pytest_asyncio
-import yaml
 
-from sidecar.config import parse_config
 from sidecar.server import Servers
 from tests.fakes.kinds import VLLMEngine, Work
-from tests.harness.cli_process import config_tree
 from tests.harness.support import (
-    API_KEY,
     FOREVER,
     Stalls,
     metrics,
@@ -48,6 +43,10 @@ from tests.harness.support import (
     sample,
     wait_metric,
 )
+from tests.test_confirmed_aborts import deploy as deploy_fake
+from tests.test_confirmed_aborts import fakes
+
+__all__ = ["fakes"]  # a fixture shared with tests/test_confirmed_aborts.py
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -59,28 +58,11 @@ LEFT_S = 0.05  # last body byte -> the client's RST
 STARTED_ABORT_S = 0.5  # registered -> stopped: one round trip on an idle box; a guard bound
 
 
-@pytest_asyncio.fixture
-async def fakes() -> AsyncIterator[list[VLLMEngine]]:
-    """Requested before ``start_sidecar``: stopped after the sidecar."""
-    started: list[VLLMEngine] = []
-    yield started
-    for fake in started:
-        await fake.stop()
-
-
 async def deploy(fakes: list[VLLMEngine], start_sidecar: Callable[..., Any], processes: int,
                  **abort: Any) -> tuple[VLLMEngine, Servers]:
-    fake = VLLMEngine(API_KEY, api_servers=processes, accept="least_connections", seed=7)
-    await fake.start()
-    fakes.append(fake)
-    tree = config_tree(fake.url, api_key=API_KEY, log_level="WARNING", engines={"local": {
-        "kind": "vllm", "url": fake.url, "abort": {
-            "api_key": API_KEY, "resend_window_s": BOUND_S, "confirm_timeout_s": BOUND_S,
-            **abort}}})
-    servers: Servers = await start_sidecar(parse_config(yaml.safe_dump(tree), "<test>", env={}))
-    assert await fake.watch.until(lambda: len(fake.connections) >= 16, 5.0), (
-        "expected the 16 warm abort connections open at the engine")
-    return fake, servers
+    """:func:`tests.test_confirmed_aborts.deploy` with this module's window and bound."""
+    return await deploy_fake(fakes, start_sidecar, processes, resend_window_s=BOUND_S,
+                             confirm_timeout_s=BOUND_S, **abort)
 
 
 async def leave_early(fake: VLLMEngine, servers: Servers, stalls: Stalls, stream: bool,
