@@ -52,6 +52,7 @@ import functools
 import heapq
 import itertools
 import logging
+import math
 import time
 
 from engine import AbortCall, EngineAdapter
@@ -128,7 +129,8 @@ class Aborter:
     def abort(self, engine: EngineAdapter, ids: tuple[str, ...], sidecar_id: str,
               noticed_at: float, request_log: RequestLog | None = None,
               body_sent_at: float | None = None,
-              confirmation: Confirmation | None = None, may_start_late: bool = False) -> None:
+              confirmation: Confirmation | None = None, may_start_late: bool = False,
+              may_register_late: bool = False) -> None:
         """Queue ``ids`` (non-empty) for an abort call at ``engine``; returns at once.
 
         ``noticed_at`` is the ``time.monotonic()`` at which the disconnect was noticed; the
@@ -151,7 +153,10 @@ class Aborter:
         engine sends its first byte only once it registered it, and had sent none: if it is
         still silent at that bound, it is watched on for its start until
         ``abort.late_start_s`` after ``noticed_at`` (:mod:`sidecar.confirm`; the ids go again
-        when it starts: :meth:`_late_start`). Raises ``ValueError`` on an empty ``ids``.
+        when it starts: :meth:`_late_start`). ``may_register_late``: a JSON answer the engine
+        had sent nothing of, on such a route: if it is still silent at the bound, it is watched
+        on the same way while its ids are re-sent (:meth:`_late_wait`). Raises ``ValueError``
+        on an empty ``ids``.
         """
         if not ids:
             raise ValueError("refusing an empty id list: an engine may read it as 'abort all'")
@@ -179,9 +184,13 @@ class Aborter:
                 request.copies = request.resend.calls = request.resend.width = (
                     engine.settings.abort.fanout)
             late_s = engine.settings.abort.late_start_s
+            late = (may_start_late or may_register_late) and late_s > 0
             confirmation.arm(lambda verdict: self._verdict(engine, request, verdict), until,
-                             lambda: self._late_start(engine, request),
-                             noticed_at + late_s if may_start_late and late_s > 0 else None)
+                             (lambda: self._late_start(engine, request)) if may_start_late
+                             else None,
+                             noticed_at + late_s if late else None,
+                             (lambda: self._late_wait(engine, request)) if may_register_late
+                             else None)
             self._bounds.add(confirmation)
         elif body_sent_at is not None and window_s > 0 and not self._closed:
             until = body_sent_at + window_s
@@ -317,7 +326,7 @@ class Aborter:
                 count += len(resend.ids) * copies
             if resend.confirming and resend.calls >= settings.max_calls:
                 continue  # its bound: the verdict is awaited without more calls
-            if resend.advance(max_interval_s):
+            if resend.advance(math.inf if resend.blind else max_interval_s):
                 self._push(queue, resend)
         if count:
             self._metrics.abort_resent_ids.labels(engine.name).inc(count)
@@ -473,8 +482,9 @@ class Aborter:
                     # engine had time to end the response (it aborts after it answers: vLLM's
                     # endpoint starts the abort in a task).
                     self._confirming[request] = engine
-                    # Not while a late start is awaited (nothing to name before it), nor once
-                    # one came (it scheduled its own re-sends: _late_start).
+                    # Not while a late start is awaited (nothing to name before it; a JSON
+                    # answer's wait schedules its own: _late_wait), nor once one came (it
+                    # scheduled its own re-sends: _late_start).
                     if (resend is not None and not resend.stopped and not self._closed
                             and resend.slot < 0 and not confirmation.waiting_start):
                         # As long again as the answer took from the disconnect (a loaded loop,
@@ -526,12 +536,45 @@ class Aborter:
         self._schedule_resend(self._queue(engine), resend)
         self._bounds.add(confirmation)
 
+    def _late_wait(self, engine: EngineAdapter, request: Request) -> None:
+        """``request``, a JSON answer its engine had sent nothing of by the confirmation's bound,
+        is now watched on until ``abort.late_start_s`` after the disconnect (its bound moved
+        there: :meth:`Confirmation.expire`): nothing it sends before its end says when the
+        engine registers it, so its ids are re-sent meanwhile: the gaps double from
+        ``abort.resend_max_interval_s`` without a cap (one the engine registers ``t`` seconds
+        into the wait stops within about ``t`` more; 30 s take 8 re-sends) and the re-sends
+        widen from one call to ``abort.fanout`` (its owner may be any of several API-server
+        processes; at once at an engine seen with several), within ``abort.max_calls`` calls of
+        their own (8 re-sends: 47 calls). A call that changes nothing is no miss: it may still be
+        registering. If its re-sends were stopped or the sidecar stops: ``unconfirmed`` now, and
+        the upstream closed."""
+        resend, confirmation = request.resend, request.confirmation
+        if confirmation is None:
+            return
+        if resend is None or resend.stopped or self._closed:
+            confirmation.give_up()
+            return
+        now = time.monotonic()
+        settings = engine.settings.abort
+        resend.until, resend.blind = confirmation.bound, True
+        resend.gap = settings.resend_max_interval_s
+        resend.due = min(now + resend.gap, resend.until)
+        # No miss marks the engine as having several processes: widen_from after the disconnect
+        # (_verdict).
+        resend.width, resend.widen_from, resend.misses, resend.undecided = 1, now, 0, 0
+        resend.calls = 0
+        self._schedule_resend(self._queue(engine), resend)
+
     def _verdict(self, engine: EngineAdapter, request: Request, verdict: str) -> None:
         """The engine's verdict on ``request`` (:class:`~sidecar.confirm.Confirmation`): no more
         re-sends; reported now if its first call was answered, else by :meth:`_finish`."""
         resend = request.resend
         if resend is not None:
             resend.stopped = True
+            if resend.blind and verdict == CONFIRMED:
+                log.info("request %s: engine %s stopped it %.3f s after the disconnect, past the "
+                         "confirmation's bound (it registered the request late)",
+                         request.sidecar_id, engine.name, time.monotonic() - request.noticed_at)
             if (verdict == CONFIRMED and resend.widen_from <= request.noticed_at
                     and resend.misses >= MULTI_RESENDS):
                 now = time.monotonic()

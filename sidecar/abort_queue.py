@@ -89,6 +89,9 @@ class Resend:
     undecided: int = 0  # re-sends that found bytes unread, not judged yet
     undecided_at: int = 0  # Confirmation.pieces at the last of them
     slot: int = -1  # the tie-breaker of its entry in the re-send heap: an older one is stale
+    # Waiting for a JSON answer's late registration (sidecar.abort.Aborter._late_wait): its
+    # gaps double without resend_max_interval_s's cap.
+    blind: bool = False
 
     def left(self, request: Request) -> None:
         """``request``, a re-send of this one, was answered, or left its line unsent: the next

@@ -347,7 +347,8 @@ class Cancellation:
                 exchange.aborter.abort(
                     engine, ids, exchange.id, noticed_at, exchange.access,
                     None if registered else noticed_at if later else body_sent_at, confirmation,
-                    may_start_late=once_streaming and phase is Phase.BEFORE_FIRST_BYTE)
+                    may_start_late=once_streaming and phase is Phase.BEFORE_FIRST_BYTE,
+                    may_register_late=once_streaming and phase is Phase.AWAITING_RESPONSE)
                 self.aborting += len(ids)
             if self.confirmation is not None and upstream is not None:
                 if exchange.downstream is not None:

@@ -37,6 +37,13 @@ after the disconnect, with no call made; when its head comes (:meth:`Confirmatio
 aborter is told (``on_start``): it names the ids again at once, then re-sends them as after a
 disconnect, for a new bound.
 
+A late registration of a JSON answer. vLLM sends a non-streaming chat or completions answer whole,
+at its end, so nothing on its connection says when it registered: a JSON request whose engine had
+sent nothing by the bound is watched on the same way, up to ``late_start_s`` after the
+disconnect, and meanwhile its ids are named again at doubling gaps (``on_wait``:
+:meth:`sidecar.abort.Aborter._late_wait`), so one the engine registers ``t`` seconds into the
+wait stops within about ``t`` more; its answer, cut short with the abort mark, confirms it.
+
 The abort's re-sends (:mod:`sidecar.abort`) go on until the verdict. The mark is searched only in
 bytes that arrive after the disconnect, over piece boundaries; text a model generates cannot
 forge it, since JSON escapes its quotes (``\\"finish_reason\\"``).
@@ -82,8 +89,8 @@ class Confirmation:
     the sidecar stops): the connection is closed at once.
     """
 
-    __slots__ = ("_on_start", "_on_verdict", "_tail", "aborted", "bound", "decided_at",
-                 "late_until", "paused", "pieces", "response", "verdict")
+    __slots__ = ("_on_start", "_on_verdict", "_on_wait", "_tail", "aborted", "bound",
+                 "decided_at", "late_until", "paused", "pieces", "response", "verdict")
 
     def __init__(self, response: UpstreamResponse) -> None:
         self.response = response
@@ -98,19 +105,23 @@ class Confirmation:
         self._tail = b""
         self._on_verdict: Callable[[str], None] | None = None
         self._on_start: Callable[[], None] | None = None
+        self._on_wait: Callable[[], None] | None = None
 
     def arm(self, on_verdict: Callable[[str], None], bound: float,
-            on_start: Callable[[], None] | None = None, late_until: float | None = None) -> None:
+            on_start: Callable[[], None] | None = None, late_until: float | None = None,
+            on_wait: Callable[[], None] | None = None) -> None:
         """``on_verdict`` is called once with the verdict (not after :meth:`close`), at the
         latest at ``bound`` (``time.monotonic()``), when :meth:`expire` is called: one timer for
         every confirmation (:class:`sidecar.abort.Aborter`'s), not one each, since a storm's
         disconnects arm hundreds in a loop turn. ``late_until``: a stream the engine has sent
         nothing of by then waits for its start until this instead (module docstring);
-        ``on_start`` is called when its head comes meanwhile."""
+        ``on_start`` is called when its head comes meanwhile (a stream), ``on_wait`` when the
+        wait begins (a JSON answer: nothing it sends before its end tells its start)."""
         self._on_verdict = on_verdict
         self.bound = bound
         self._on_start = on_start
         self.late_until = late_until
+        self._on_wait = on_wait
 
     @property
     def open(self) -> bool:
@@ -119,7 +130,8 @@ class Confirmation:
 
     @property
     def waiting_start(self) -> bool:
-        """True while a late start is awaited: past its first bound, the engine silent."""
+        """True while a late start (or a JSON answer's late registration) is awaited: past its
+        first bound, the engine silent."""
         return self.open and self.late_until is not None and self.bound == self.late_until
 
     # sidecar.relay.Watcher
@@ -210,20 +222,23 @@ class Confirmation:
 
     def close(self) -> None:
         """Stop watching without a verdict and close the upstream connection now."""
-        self._on_verdict = self._on_start = None  # they hold the aborter's request: a cycle
+        # They hold the aborter's request: a cycle.
+        self._on_verdict = self._on_start = self._on_wait = None
         self.response.close()
 
     def expire(self, now: float) -> None:
         """A bound was reached (``now``, within a clock tick of :attr:`bound`, or a bound moved
         later since: then nothing): :data:`UNCONFIRMED` if no verdict came, unless the stream
         is still silent and a late start may be waited for (:attr:`late_until`): then
-        :attr:`bound` moves there."""
+        :attr:`bound` moves there, and ``on_wait`` is told (:meth:`arm`)."""
         if not self.open or now < self.bound - BOUND_EARLY_S:
             return
         response = self.response
         if (self.late_until is not None and self.bound < self.late_until
                 and response.head_bytes == 0 and self.pieces == 0):
             self.bound = self.late_until
+            if self._on_wait is not None:
+                self._on_wait()
             return
         self._decide(UNCONFIRMED)
 
@@ -238,6 +253,6 @@ class Confirmation:
         self.decided_at = time.monotonic()
         self.response.close()  # a no-op for a response read to its end; never left open
         on_verdict, self._on_verdict = self._on_verdict, None
-        self._on_start = None  # it holds the aborter's request: a cycle
+        self._on_start = self._on_wait = None  # they hold the aborter's request: a cycle
         if on_verdict is not None:
             on_verdict(verdict)

@@ -17,8 +17,12 @@ after the body (late), the client gone 50 ms after its last body byte, before an
 - ``test_a_late_start_has_calls_of_its_own``: ``max_calls: 3``, all spent inside the first bound
   (as an engine marked as having several API-server processes spends 64, 8 at a time): the late
   start still names the ids, and the stream stops (before: it ran to its end, ``finished``);
-- ``test_a_json_request_is_not_waited_for``: a JSON chat sends nothing until its whole answer,
-  so its start tells nothing: its upstream is closed at the bound, as before;
+- ``test_a_json_request_registered_late_is_stopped_by_a_late_resend`` (1 and 4 API-server
+  processes): a JSON chat sends nothing until its whole answer, so nothing tells its start; it is
+  watched on all the same while its ids are re-sent at doubling gaps, widening: stopped at the
+  engine within as long again as it registered after the bound (plus a guard), ``confirmed``;
+  with ``late_start_s: 0`` its upstream closes at the bound and it runs to its end
+  (``test_without_late_start_a_late_json_request_runs_on``);
 - ``test_a_start_later_than_late_start_s_is_unconfirmed``: the wait ends at ``late_start_s``
   after the disconnect, upstream closed then, outcome ``unconfirmed``.
 """
@@ -135,22 +139,50 @@ async def test_without_late_start_a_late_stream_runs_on(
                       1, engine="local", outcome="unconfirmed")
 
 
-async def test_a_json_request_is_not_waited_for(
+@pytest.mark.parametrize("processes", [1, 4])
+async def test_a_json_request_registered_late_is_stopped_by_a_late_resend(
+        fakes: list[VLLMEngine], start_sidecar: Callable[..., Any], stalls: Stalls,
+        processes: int) -> None:
+    """A JSON answer's first byte comes with its end, so nothing says when the engine registers
+    it: watched on past the bound, its ids re-sent meanwhile at doubling gaps, it stops within
+    as long again as it registered after the bound (plus a guard), and its answer, cut short
+    with the abort mark, confirms it. Not a late start (nothing started): that counter stays
+    0."""
+    fake, servers = await deploy(fakes, start_sidecar, processes, late_start_s=5.0)
+    work, left = await leave_early(fake, servers, stalls, stream=False)
+    await stalls.wait(fake.watch.until(lambda: not work.running, FOREVER),
+                      "the late JSON request stopped at the engine", 10.0)
+    registered = work.registered_at
+    assert registered is not None and registered - left > BOUND_S, (
+        f"expected it registered after the bound: {work}")
+    assert not work.ran_to_end and work.stopped_at is not None, f"it ran on: {work}"
+    late = registered - left - BOUND_S  # into the wait
+    assert work.stopped_at - registered <= late + STARTED_ABORT_S, (
+        f"stopped {ms(work.stopped_at - registered)} after its registration, "
+        f"{ms(late)} into the wait, expected within {ms(late + STARTED_ABORT_S)}: {work}")
+    assert work.ignored, "expected the calls before the registration to be ignored (the case)"
+    await wait_metric(stalls, servers.admin_port or 0, "cancel_sidecar_aborted_requests_total",
+                      1, engine="local", outcome="confirmed")
+    values = await metrics(servers.admin_port or 0)
+    assert sample(values, "cancel_sidecar_aborted_requests_total", engine="local",
+                  outcome="unconfirmed") == 0
+    assert sample(values, "cancel_sidecar_abort_late_starts_total", engine="local") == 0
+
+
+async def test_without_late_start_a_late_json_request_runs_on(
         fakes: list[VLLMEngine], start_sidecar: Callable[..., Any], stalls: Stalls) -> None:
-    """A JSON answer's first byte comes with its end: nothing to wait for; the upstream is
-    closed at the bound (an engine that sees the close stops there), outcome unconfirmed."""
-    fake, servers = await deploy(fakes, start_sidecar, 1, late_start_s=5.0)
+    """``late_start_s: 0``: the JSON request's upstream is closed at the bound, unconfirmed,
+    and the blind engine runs it for nobody: what the test above covers."""
+    fake, servers = await deploy(fakes, start_sidecar, 1, late_start_s=0)
     work, left = await leave_early(fake, servers, stalls, stream=False)
     await stalls.wait(fake.watch.until(lambda: work.closed_at is not None, FOREVER),
                       "the upstream closed at the bound")
-    assert work.closed_at is not None
-    assert work.closed_at - left < REGISTER_S, (
-        f"the upstream was closed {ms(work.closed_at - left)} after the client left: waited "
-        f"for a start that a JSON answer never shows")
+    assert work.closed_at is not None and work.closed_at - left < REGISTER_S, work
+    await stalls.wait(fake.watch.until(lambda: not work.running, FOREVER),
+                      "the request to end at the engine", 10.0)
+    assert work.ran_to_end, f"expected it to run to its end for nobody: {work}"
     await wait_metric(stalls, servers.admin_port or 0, "cancel_sidecar_aborted_requests_total",
                       1, engine="local", outcome="unconfirmed")
-    assert sample(await metrics(servers.admin_port or 0),
-                  "cancel_sidecar_abort_late_starts_total", engine="local") == 0
 
 
 async def test_a_start_later_than_late_start_s_is_unconfirmed(

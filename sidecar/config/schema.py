@@ -114,8 +114,11 @@ class AbortSettings(_Model):
     registering (a long prompt behind others, an API process busy for seconds): it is watched on
     for ``late_start_s`` seconds after the disconnect, sending nothing; if its response begins
     meanwhile, the abort goes again at once, and confirmation starts over for
-    ``confirm_timeout_s``, within ``max_calls`` calls of its own. 0: ``unconfirmed`` at the
-    bound, as for any other request.
+    ``confirm_timeout_s``, within ``max_calls`` calls of its own. A JSON request on those routes
+    (nothing of it comes before its end, so nothing says when it registered) is watched on the
+    same way while its ids are re-sent at gaps doubling from ``resend_max_interval_s``, widening
+    to ``fanout``, within ``max_calls`` calls of its own. 0: ``unconfirmed`` at the bound, as for
+    any other request.
 
     ``when_unavailable``: ``not_ready`` or ``close_only``, what ``/readyz`` says while the
     engine is up but its abort endpoint refuses (:class:`WhenAbortUnavailable`).

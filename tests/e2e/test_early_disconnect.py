@@ -474,43 +474,47 @@ def test_many_resets_at_once_leave_nothing_running(
 
 # A late start (engines.*.abort.late_start_s, sidecar/confirm.py): a sidecar whose registration
 # window is 0 and confirmation bound 1 ms, so vLLM registers a request after every call of the
-# first bound; the default late_start_s then watches the stream on and names its id again once its
-# head comes. ``late_start_s: 0`` is the contrast (recorded in the table, not asserted: it depends
-# on vLLM registering later than 1 ms after the disconnect; here 4 of 4 ran on, 251-400 tokens).
+# first bound; the default late_start_s then watches a stream on and names its id again once its
+# head comes, and a JSON request (nothing of it comes before its end) on while its id is re-sent
+# at doubling gaps. ``late_start_s: 0`` is the contrast (recorded in the table, not asserted: it
+# depends on vLLM registering later than 1 ms after the disconnect; streams: 7 of 7 ran on,
+# 218-400 tokens).
 LATE_ABORT = {"resend_window_s": 0, "confirm_timeout_s": 0.001}
 LATE_RESET_MS = 5  # at 0 ms the sidecar may still be writing the body upstream: nothing to abort
-LATE_CASES = [(30.0, 1), (30.0, 2), (0.0, 1)]
+LATE_CASES = [("chat stream", 30.0, 1), ("chat stream", 30.0, 2), ("chat stream", 0.0, 1),
+              ("chat JSON", 30.0, 1), ("chat JSON", 30.0, 2), ("chat JSON", 0.0, 1)]
+LATE_PHASE = {"chat stream": "before_first_byte", "chat JSON": "awaiting_response"}
 
 
-@pytest.mark.parametrize(("late_start_s", "trial"), LATE_CASES,
-                         ids=[f"late_start_s {s:g}, {n}" for s, n in LATE_CASES])
-def test_a_stream_registered_after_every_call_stops_once_it_starts(
-        late_start_s: float, trial: int, engine: VLLMServer, model_dir: Path,
+@pytest.mark.parametrize(("kind", "late_start_s", "trial"), LATE_CASES,
+                         ids=[f"{k}, late_start_s {s:g}, {n}" for k, s, n in LATE_CASES])
+def test_a_request_registered_after_every_call_stops_once_registered(
+        kind: str, late_start_s: float, trial: int, engine: VLLMServer, model_dir: Path,
         sampler: MetricsSampler, table: list[dict[str, Any]],
         tmp_path_factory: pytest.TempPathFactory) -> None:
-    """A chat stream reset 5 ms after its body, vLLM registering it after the sidecar's
-    registration window (0) and confirmation bound (1 ms) closed: with a late start it stops
-    at vLLM once its head comes (read at /metrics, and nothing tracked then), and the sidecar's
-    log says it took that path."""
+    """A chat request reset 5 ms after its body, vLLM registering it after the sidecar's
+    registration window (0) and confirmation bound (1 ms) closed: with ``late_start_s`` a
+    stream stops at vLLM once its head comes, a JSON request at a re-send after it registered
+    (read at /metrics, and nothing tracked then), and the sidecar's log says it took that
+    path."""
     sc = start_sidecar(engine.base_url, tmp_path_factory.mktemp("late-start"),
                        abort={**LATE_ABORT, "late_start_s": late_start_s})
     try:
         before = abort_calls(sc), log_size(sc)
         first_sample(sampler)
-        reset = send_and_reset(sc.base_url, "chat stream", request_body(model_dir, "chat stream"),
-                               LATE_RESET_MS)
+        reset = send_and_reset(sc.base_url, kind, request_body(model_dir, kind), LATE_RESET_MS)
         outcome = finish(engine, sc, before, watch(sampler, reset.reset_at, reset.sent_at))
         late = sc.log_text()[before[1]:].count("past the confirmation's bound")
     finally:
         assert sc.stop() == 0, f"expected the sidecar to exit 0; log tail:\n{sc.log_text()[-3000:]}"
-    record(table, f"late start, late_start_s {late_start_s:g}", [reset], 1, outcome)
+    record(table, f"{kind} registered late, late_start_s {late_start_s:g}", [reset], 1, outcome)
     if late_start_s:
         assert not outcome.leaked, (
-            f"expected the stream stopped at vLLM once it started (late_start_s "
+            f"expected the {kind} stopped at vLLM once registered (late_start_s "
             f"{late_start_s}), nothing running {GUARD_S}s after the reset; got {outcome}")
-        assert outcome.sidecar_phase == "before_first_byte", (
-            f"expected the client gone with the body at vLLM, before the first byte; the "
-            f"sidecar's access line says {outcome.sidecar_phase!r}")
+        assert outcome.sidecar_phase == LATE_PHASE[kind], (
+            f"expected the client gone with the body at vLLM, before the first byte "
+            f"({LATE_PHASE[kind]}); the sidecar's access line says {outcome.sidecar_phase!r}")
         assert late == 1, (
-            f"expected the sidecar to log the late start once (vLLM registered the request past "
-            f"the 1 ms bound), got {late}: the case was not exercised")
+            f"expected the sidecar to log the late registration once (vLLM registered the "
+            f"request past the 1 ms bound), got {late}: the case was not exercised")
