@@ -309,6 +309,13 @@ class Aborter:
                 resend.confirmation.read_held()
             if resend.stopped:
                 continue
+            if resend.blind and resend.calls >= settings.max_calls:
+                # A JSON answer's wait spent its calls a gap ago (a wide fanout, a small
+                # max_calls): nothing more stops it here, so unconfirmed now, and closed (an
+                # engine whose own disconnect detection works stops on that).
+                if resend.confirmation is not None:
+                    resend.confirmation.give_up()
+                continue
             if resend.pending is None or resend.pending.unsent == 0:  # the last one went out
                 copies = 1
                 if resend.confirming:  # wider each time: other abort connections, processes
@@ -324,7 +331,7 @@ class Aborter:
                                                  copies=copies)
                 self._enqueue(queue, again)
                 count += len(resend.ids) * copies
-            if resend.confirming and resend.calls >= settings.max_calls:
+            if resend.confirming and resend.calls >= settings.max_calls and not resend.blind:
                 continue  # its bound: the verdict is awaited without more calls
             if resend.advance(math.inf if resend.blind else max_interval_s):
                 self._push(queue, resend)
@@ -527,7 +534,7 @@ class Aborter:
                  request.sidecar_id, engine.name, now - request.noticed_at)
         self._metrics.child(self._metrics.abort_late_starts, engine.name).inc()
         resend.until = confirmation.bound = now + settings.confirm_timeout_s
-        resend.due, resend.gap = now, CONFIRM_WAIT_S
+        resend.due, resend.gap, resend.blind = now, CONFIRM_WAIT_S, False
         # As a first call: the calls before its start came before its registration, so they
         # are no misses, and none of its own marks the engine as having several processes
         # (widen_from after the disconnect: _verdict).
@@ -542,12 +549,16 @@ class Aborter:
         there: :meth:`Confirmation.expire`): nothing it sends before its end says when the
         engine registers it, so its ids are re-sent meanwhile: the gaps double from
         ``abort.resend_max_interval_s`` without a cap (one the engine registers ``t`` seconds
-        into the wait stops within about ``t`` more; 30 s take 8 re-sends) and the re-sends
-        widen from one call to ``abort.fanout`` (its owner may be any of several API-server
-        processes; at once at an engine seen with several), within ``abort.max_calls`` calls of
-        their own (8 re-sends: 47 calls). A call that changes nothing is no miss: it may still be
-        registering. If its re-sends were stopped or the sidecar stops: ``unconfirmed`` now, and
-        the upstream closed."""
+        into the wait stops within about ``t`` more; a 30 s wait makes 7 re-sends, an 8th would
+        fall on its end) and the re-sends widen from one call to ``abort.fanout`` (its owner may
+        be any of several API-server processes; at once at an engine seen with several), within
+        ``abort.max_calls`` calls of their own (7 re-sends, ``fanout`` 8: 39 calls). A call that
+        changes nothing is no miss: it may still be registering. Its calls spent (a wider
+        ``fanout``, a smaller ``max_calls``), its re-sends stopped, or the sidecar stopping:
+        ``unconfirmed`` then (calls spent: at the next re-send due, a gap after the last call),
+        and the upstream closed. A stream whose body copy was
+        not kept (so not known for one) may take both waits: its head then starts it over as a
+        late start (:meth:`_late_start`)."""
         resend, confirmation = request.resend, request.confirmation
         if confirmation is None:
             return

@@ -332,6 +332,9 @@ class Cancellation:
             # Ids an engine may register long after the body (vLLM's Responses turns after a
             # built-in tool: EngineAdapter.registers_later) are re-sent for the window from now.
             upstream = exchange.upstream or exchange.sending
+            # No body copy (over upstream.replay_buffer_bytes) and no head yet: a stream or a
+            # JSON answer, _phase cannot tell; either late registration may be waited for.
+            unknown = plan is None and body is None and exchange.upstream is None
             for engine, ids, once_streaming, later in (
                     self.abort_plan(body) if plan is None else plan):
                 registered = streamed and once_streaming and len(ids) == 1
@@ -347,7 +350,8 @@ class Cancellation:
                 exchange.aborter.abort(
                     engine, ids, exchange.id, noticed_at, exchange.access,
                     None if registered else noticed_at if later else body_sent_at, confirmation,
-                    may_start_late=once_streaming and phase is Phase.BEFORE_FIRST_BYTE,
+                    may_start_late=once_streaming and (phase is Phase.BEFORE_FIRST_BYTE
+                                                       or unknown),
                     may_register_late=once_streaming and phase is Phase.AWAITING_RESPONSE)
                 self.aborting += len(ids)
             if self.confirmation is not None and upstream is not None:

@@ -56,6 +56,7 @@ import select
 import time
 from collections.abc import Callable
 
+from sidecar.headers import is_event_stream
 from sidecar.relay import UpstreamResponse
 
 BOUND_EARLY_S = 0.002  # a confirmation's bound this close is reached (the loop's timers: 1 ms)
@@ -136,9 +137,11 @@ class Confirmation:
 
     # sidecar.relay.Watcher
     def began(self) -> None:
-        """The engine began the stream after the client left: waited for as a late start, the
-        aborter names its ids again (``on_start``)."""
-        if self.waiting_start and self._on_start is not None:
+        """The engine began the response after the client left: a stream (its head says
+        ``text/event-stream``) waited for as a late start has its ids named again by the aborter
+        (``on_start``); a JSON answer's head comes with its end, which decides."""
+        if (self.waiting_start and self._on_start is not None
+                and is_event_stream(self.response.headers)):
             self._on_start()
 
     def write(self, piece: bytes) -> None:

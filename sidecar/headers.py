@@ -24,7 +24,7 @@ above. The engine's ``101`` is relayed byte for byte by :mod:`sidecar.tunnel`, n
 from __future__ import annotations
 
 import re
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 
 from multidict import CIMultiDict, CIMultiDictProxy, istr
 
@@ -113,6 +113,14 @@ def downstream_response_headers(headers: CIMultiDictProxy[str]) -> CIMultiDict[s
 # What aiohttp refuses to write in a header (``http_writer._FORBIDDEN_HEADER_CHARS_RE``; RFC 9110
 # section 5.5): control characters but HTAB. aiohttp's client accepts them in what it reads.
 _FORBIDDEN_HEADER_CHARS = re.compile(r"[\x00-\x08\x0a-\x1f\x7f]")
+
+
+def is_event_stream(headers: Mapping[str, str]) -> bool:
+    """True if ``headers`` (a response head's) say ``Content-Type: text/event-stream``, any
+    parameters and case. Not aiohttp's ``content_type``: it parses with the email package, ~30
+    us."""
+    ctype = headers.get("Content-Type", "")
+    return ctype.partition(";")[0].strip().lower() == "text/event-stream"
 
 
 def has_forbidden_characters(headers: CIMultiDictProxy[str], reason: str = "") -> bool:

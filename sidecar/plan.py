@@ -21,6 +21,7 @@ from collections.abc import Iterable, Mapping
 from typing import NamedTuple
 
 from engine import EngineAdapter, Kept, Unabortable
+from sidecar.headers import is_event_stream
 from sidecar.route import RouteTarget
 
 
@@ -78,10 +79,7 @@ def stopped_phase(body_complete: bool, response_headers: Mapping[str, str] | Non
 def response_phase(headers: Mapping[str, str]) -> Phase:
     """The phase of a request whose body went whole and whose response head (``headers``) is
     in: :attr:`Phase.STREAMING` for an SSE response, else :attr:`Phase.AWAITING_RESPONSE`."""
-    # Not aiohttp's ``content_type``: it parses with the email package, ~30 us.
-    ctype = headers.get("Content-Type", "")
-    streamed = ctype.partition(";")[0].strip().lower() == "text/event-stream"
-    return Phase.STREAMING if streamed else Phase.AWAITING_RESPONSE
+    return Phase.STREAMING if is_event_stream(headers) else Phase.AWAITING_RESPONSE
 
 
 def engine_ids(engine: EngineAdapter, method: str, path: str, sidecar_id: str,

@@ -99,12 +99,16 @@ async def fakes() -> AsyncIterator[list[VLLMEngine]]:
 
 
 async def deploy(fakes: list[VLLMEngine], start_sidecar: Callable[..., Any], processes: int,
+                 upstream: dict[str, Any] | None = None,
                  **abort: Any) -> tuple[VLLMEngine, Servers]:
+    """A fake vLLM of ``processes`` API-server processes and a sidecar in front of it with the
+    ``abort`` settings (and ``upstream``'s, if given), its abort connections warm."""
     fake = VLLMEngine(API_KEY, api_servers=processes, accept=ACCEPT, seed=processes)
     await fake.start()
     fakes.append(fake)
+    sections: dict[str, Any] = {} if upstream is None else {"upstream": upstream}
     tree = config_tree(fake.url, api_key=API_KEY, log_level="WARNING", engines={"local": {
-        "kind": "vllm", "url": fake.url, "abort": {"api_key": API_KEY, **abort}}})
+        "kind": "vllm", "url": fake.url, "abort": {"api_key": API_KEY, **abort}}}, **sections)
     servers: Servers = await start_sidecar(parse_config(yaml.safe_dump(tree), "<test>", env={}))
     await warm(fake)
     return fake, servers

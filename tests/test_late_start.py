@@ -23,6 +23,13 @@ after the body (late), the client gone 50 ms after its last body byte, before an
   engine within as long again as it registered after the bound (plus a guard), ``confirmed``;
   with ``late_start_s: 0`` its upstream closes at the bound and it runs to its end
   (``test_without_late_start_a_late_json_request_runs_on``);
+- ``test_a_json_wait_that_spent_its_calls_ends_unconfirmed``: ``max_calls: 3``, spent by the
+  wait's first two re-sends: ``unconfirmed`` at the third's due, the upstream closed then;
+- ``test_a_request_whose_body_was_not_kept`` (stream, JSON; ``replay_buffer_bytes`` under the
+  body, so no copy says ``"stream": true``): the stream is still stopped within
+  ``STARTED_ABORT_S`` of its registration as a late start (its head says ``text/event-stream``;
+  a reviewer's find: it took the JSON wait and ran to the next re-send), the JSON request by
+  the wait's re-sends, and not counted as a late start;
 - ``test_a_start_later_than_late_start_s_is_unconfirmed``: the wait ends at ``late_start_s``
   after the disconnect, upstream closed then, outcome ``unconfirmed``.
 """
@@ -63,10 +70,11 @@ STARTED_ABORT_S = 0.5  # registered -> stopped: one round trip on an idle box; a
 
 
 async def deploy(fakes: list[VLLMEngine], start_sidecar: Callable[..., Any], processes: int,
+                 upstream: dict[str, Any] | None = None,
                  **abort: Any) -> tuple[VLLMEngine, Servers]:
     """:func:`tests.test_confirmed_aborts.deploy` with this module's window and bound."""
-    return await deploy_fake(fakes, start_sidecar, processes, resend_window_s=BOUND_S,
-                             confirm_timeout_s=BOUND_S, **abort)
+    return await deploy_fake(fakes, start_sidecar, processes, upstream,
+                             resend_window_s=BOUND_S, confirm_timeout_s=BOUND_S, **abort)
 
 
 async def leave_early(fake: VLLMEngine, servers: Servers, stalls: Stalls, stream: bool,
@@ -183,6 +191,55 @@ async def test_without_late_start_a_late_json_request_runs_on(
     assert work.ran_to_end, f"expected it to run to its end for nobody: {work}"
     await wait_metric(stalls, servers.admin_port or 0, "cancel_sidecar_aborted_requests_total",
                       1, engine="local", outcome="unconfirmed")
+
+
+async def test_a_json_wait_that_spent_its_calls_ends_unconfirmed(
+        fakes: list[VLLMEngine], start_sidecar: Callable[..., Any], stalls: Stalls) -> None:
+    """``max_calls: 3``: the wait's re-sends at bound + 0.2 s (one call) and + 0.6 s (two)
+    spend it; at the next due (+ 1.4 s) nothing more can stop the request, so it is
+    unconfirmed and its upstream closed then, not kept open to ``late_start_s`` (5 s)."""
+    fake, servers = await deploy(fakes, start_sidecar, 1, late_start_s=5.0, max_calls=3)
+    work, left = await leave_early(fake, servers, stalls, stream=False, register_s=3.0)
+    await stalls.wait(fake.watch.until(lambda: work.closed_at is not None, FOREVER),
+                      "the upstream closed once the wait's calls were spent", 10.0)
+    assert work.closed_at is not None
+    waited = work.closed_at - left
+    assert BOUND_S + 1.2 <= waited < BOUND_S + 2.5, (
+        f"the upstream was closed {ms(waited)} after the client left, expected ~"
+        f"{ms(BOUND_S + 1.4)} (the wait's third re-send due)")
+    engine_id = work.engine_ids[0]
+    waits = [c for c in fake.calls if engine_id in c.ids and c.at > left + BOUND_S]
+    assert len(waits) == 3, f"expected the wait's 3 calls (1, then 2): {waits}"
+    await wait_metric(stalls, servers.admin_port or 0, "cancel_sidecar_aborted_requests_total",
+                      1, engine="local", outcome="unconfirmed")
+
+
+@pytest.mark.parametrize("stream", [True, False], ids=["stream", "JSON"])
+async def test_a_request_whose_body_was_not_kept(
+        fakes: list[VLLMEngine], start_sidecar: Callable[..., Any], stalls: Stalls,
+        stream: bool) -> None:
+    """``upstream.replay_buffer_bytes`` under the body: no copy says ``"stream": true``, so
+    before its head a stream looks like a JSON request. Registered 2 s after the body (well
+    into the wait): a stream is still a late start (stopped within ``STARTED_ABORT_S`` of its
+    registration, counted), a JSON request is stopped by the wait's re-sends (its head, with
+    its end, is no start: not counted)."""
+    fake, servers = await deploy(fakes, start_sidecar, 1, {"replay_buffer_bytes": 16},
+                                 late_start_s=5.0)
+    work, left = await leave_early(fake, servers, stalls, stream=stream, register_s=2.0)
+    await stalls.wait(fake.watch.until(lambda: not work.running, FOREVER),
+                      "the late request stopped at the engine", 10.0)
+    registered = work.registered_at
+    assert registered is not None and registered - left > BOUND_S, work
+    assert not work.ran_to_end and work.stopped_at is not None, f"it ran on: {work}"
+    late = registered - left - BOUND_S  # into the wait
+    within = STARTED_ABORT_S if stream else late + STARTED_ABORT_S
+    assert work.stopped_at - registered <= within, (
+        f"stopped {ms(work.stopped_at - registered)} after its registration, expected within "
+        f"{ms(within)}: {work}")
+    await wait_metric(stalls, servers.admin_port or 0, "cancel_sidecar_aborted_requests_total",
+                      1, engine="local", outcome="confirmed")
+    assert sample(await metrics(servers.admin_port or 0),
+                  "cancel_sidecar_abort_late_starts_total", engine="local") == int(stream)
 
 
 async def test_a_start_later_than_late_start_s_is_unconfirmed(
