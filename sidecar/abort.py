@@ -556,9 +556,9 @@ class Aborter:
         changes nothing is no miss: it may still be registering. Its calls spent (a wider
         ``fanout``, a smaller ``max_calls``), its re-sends stopped, or the sidecar stopping:
         ``unconfirmed`` then (calls spent: at the next re-send due, a gap after the last call),
-        and the upstream closed. A stream whose body copy was
-        not kept (so not known for one) may take both waits: its head then starts it over as a
-        late start (:meth:`_late_start`)."""
+        and the upstream closed. A stream whose body copy was not kept (so not known for one)
+        may take both waits: its head then starts it over as a late start
+        (:meth:`_late_start`)."""
         resend, confirmation = request.resend, request.confirmation
         if confirmation is None:
             return
@@ -584,7 +584,8 @@ class Aborter:
             resend.stopped = True
             if resend.blind and verdict == CONFIRMED:
                 log.info("request %s: engine %s stopped it %.3f s after the disconnect, past the "
-                         "confirmation's bound (it registered the request late)",
+                         "confirmation's bound (it registered the request late, or the calls "
+                         "before missed its API-server process)",
                          request.sidecar_id, engine.name, time.monotonic() - request.noticed_at)
             if (verdict == CONFIRMED and resend.widen_from <= request.noticed_at
                     and resend.misses >= MULTI_RESENDS):
