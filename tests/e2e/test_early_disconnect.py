@@ -484,6 +484,7 @@ LATE_RESET_MS = 5  # at 0 ms the sidecar may still be writing the body upstream:
 LATE_CASES = [("chat stream", 30.0, 1), ("chat stream", 30.0, 2), ("chat stream", 0.0, 1),
               ("chat JSON", 30.0, 1), ("chat JSON", 30.0, 2), ("chat JSON", 0.0, 1)]
 LATE_PHASE = {"chat stream": "before_first_byte", "chat JSON": "awaiting_response"}
+LATE_ATTEMPTS = 3  # resets per case until vLLM registers one past every call of the bound
 
 
 @pytest.mark.parametrize(("kind", "late_start_s", "trial"), LATE_CASES,
@@ -499,22 +500,34 @@ def test_a_request_registered_after_every_call_stops_once_registered(
     path."""
     sc = start_sidecar(engine.base_url, tmp_path_factory.mktemp("late-start"),
                        abort={**LATE_ABORT, "late_start_s": late_start_s})
+    late, attempts = 0, 0
     try:
-        before = abort_calls(sc), log_size(sc)
-        first_sample(sampler)
-        reset = send_and_reset(sc.base_url, kind, request_body(model_dir, kind), LATE_RESET_MS)
-        outcome = finish(engine, sc, before, watch(sampler, reset.reset_at, reset.sent_at))
-        late = sc.log_text()[before[1]:].count("past the confirmation's bound")
+        # vLLM may register the request before the first call after all (a fast tokenization:
+        # 1 of 4 streams in a fresh-clone CI): then the case is not exercised and is tried again,
+        # each attempt asserting that nothing leaked (no rerun of the test: see pytestmark).
+        while attempts < LATE_ATTEMPTS and not late:
+            attempts += 1
+            before = abort_calls(sc), log_size(sc)
+            first_sample(sampler)
+            reset = send_and_reset(sc.base_url, kind, request_body(model_dir, kind),
+                                   LATE_RESET_MS)
+            outcome = finish(engine, sc, before, watch(sampler, reset.reset_at, reset.sent_at))
+            late = sc.log_text()[before[1]:].count("past the confirmation's bound")
+            record(table, f"{kind} registered late, late_start_s {late_start_s:g}", [reset], 1,
+                   outcome)
+            if not late_start_s:
+                break  # the contrast: recorded only
+            assert not outcome.leaked, (
+                f"expected the {kind} stopped at vLLM once registered (late_start_s "
+                f"{late_start_s}), nothing running {GUARD_S}s after the reset; got {outcome}")
+            assert outcome.sidecar_phase == LATE_PHASE[kind], (
+                f"expected the client gone with the body at vLLM, before the first byte "
+                f"({LATE_PHASE[kind]}); the sidecar's access line says "
+                f"{outcome.sidecar_phase!r}")
     finally:
         assert sc.stop() == 0, f"expected the sidecar to exit 0; log tail:\n{sc.log_text()[-3000:]}"
-    record(table, f"{kind} registered late, late_start_s {late_start_s:g}", [reset], 1, outcome)
     if late_start_s:
-        assert not outcome.leaked, (
-            f"expected the {kind} stopped at vLLM once registered (late_start_s "
-            f"{late_start_s}), nothing running {GUARD_S}s after the reset; got {outcome}")
-        assert outcome.sidecar_phase == LATE_PHASE[kind], (
-            f"expected the client gone with the body at vLLM, before the first byte "
-            f"({LATE_PHASE[kind]}); the sidecar's access line says {outcome.sidecar_phase!r}")
         assert late == 1, (
             f"expected the sidecar to log the late registration once (vLLM registered the "
-            f"request past the 1 ms bound), got {late}: the case was not exercised")
+            f"request past the 1 ms bound) in one of {attempts} attempt(s), got {late}: the case "
+            f"was not exercised")
