@@ -521,11 +521,8 @@ class Aborter:
         several processes spends the first budget within its bound). If its re-sends were
         stopped (a call refused, or given way in a full queue) or the sidecar stops:
         ``unconfirmed`` now, and the upstream closed."""
-        resend, confirmation = request.resend, request.confirmation
-        if confirmation is None:
-            return
-        if resend is None or resend.stopped or self._closed:
-            confirmation.give_up()
+        resend, confirmation = self._restartable(request), request.confirmation
+        if resend is None or confirmation is None:
             return
         now = time.monotonic()
         settings = engine.settings.abort
@@ -533,13 +530,8 @@ class Aborter:
                  "confirmation's bound (it registered the request late): naming its ids again",
                  request.sidecar_id, engine.name, now - request.noticed_at)
         self._metrics.child(self._metrics.abort_late_starts, engine.name).inc()
-        resend.until = confirmation.bound = now + settings.confirm_timeout_s
-        resend.due, resend.gap, resend.blind = now, CONFIRM_WAIT_S, False
-        # As a first call: the calls before its start came before its registration, so they
-        # are no misses, and none of its own marks the engine as having several processes
-        # (widen_from after the disconnect: _verdict).
-        resend.width, resend.widen_from, resend.misses, resend.undecided = 1, now, 0, 0
-        resend.calls = 0
+        confirmation.bound = now + settings.confirm_timeout_s
+        resend.restart(now, confirmation.bound, now, CONFIRM_WAIT_S, blind=False)
         self._schedule_resend(self._queue(engine), resend)
         self._bounds.add(confirmation)
 
@@ -559,22 +551,26 @@ class Aborter:
         and the upstream closed. A stream whose body copy was not kept (so not known for one)
         may take both waits: its head then starts it over as a late start
         (:meth:`_late_start`)."""
-        resend, confirmation = request.resend, request.confirmation
-        if confirmation is None:
-            return
-        if resend is None or resend.stopped or self._closed:
-            confirmation.give_up()
+        resend, confirmation = self._restartable(request), request.confirmation
+        if resend is None or confirmation is None:
             return
         now = time.monotonic()
-        settings = engine.settings.abort
-        resend.until, resend.blind = confirmation.bound, True
-        resend.gap = settings.resend_max_interval_s
-        resend.due = min(now + resend.gap, resend.until)
-        # No miss marks the engine as having several processes: widen_from after the disconnect
-        # (_verdict).
-        resend.width, resend.widen_from, resend.misses, resend.undecided = 1, now, 0, 0
-        resend.calls = 0
+        gap = engine.settings.abort.resend_max_interval_s
+        resend.restart(now, confirmation.bound, min(now + gap, confirmation.bound), gap,
+                       blind=True)
         self._schedule_resend(self._queue(engine), resend)
+
+    def _restartable(self, request: Request) -> Resend | None:
+        """``request``'s re-sends, if a late registration may start them over
+        (:meth:`_late_start`, :meth:`_late_wait`); else ``None``, and, if it is confirming,
+        ``unconfirmed`` now (its re-sends were stopped, or the sidecar stops)."""
+        resend, confirmation = request.resend, request.confirmation
+        if confirmation is None:
+            return None
+        if resend is None or resend.stopped or self._closed:
+            confirmation.give_up()
+            return None
+        return resend
 
     def _verdict(self, engine: EngineAdapter, request: Request, verdict: str) -> None:
         """The engine's verdict on ``request`` (:class:`~sidecar.confirm.Confirmation`): no more

@@ -100,6 +100,17 @@ class Resend:
         if self.pending is request:
             self.pending = None
 
+    def restart(self, now: float, until: float, due: float, gap: float, blind: bool) -> None:
+        """Start the re-sends over for a request the engine registered late (``now``: the
+        ``time.monotonic()`` of deciding so; :meth:`sidecar.abort.Aborter._late_start`,
+        ``_late_wait``): due at ``due``, then after ``gap`` doubling, the last at ``until``;
+        ``blind``: without ``resend_max_interval_s``'s cap. As a first call: one call wide,
+        ``calls`` and the misses from 0 (every call before came before the registration), and
+        ``widen_from`` = ``now``, after the disconnect, so none of its misses marks the engine
+        as having several API-server processes (``Aborter._verdict``)."""
+        self.until, self.due, self.gap, self.blind = until, due, gap, blind
+        self.width, self.widen_from, self.misses, self.undecided, self.calls = 1, now, 0, 0, 0
+
     def advance(self, max_interval_s: float) -> bool:
         """Move to the next re-send; False once the one at ``until`` was made."""
         if self.due >= self.until:

@@ -11,18 +11,19 @@ only an abort stops it). Every "stopped" is read at the engine (``Work``), never
 Settings: registration window and confirmation bound 0.3 s each, the engine registering 1.0 s
 after the body (late), the client gone 50 ms after its last body byte, before any response byte.
 
-- ``test_a_stream_registered_late_is_aborted_once_it_starts`` (1 and 4 API-server processes):
-  stopped at the engine within ``STARTED_ABORT_S`` of its registration, ``confirmed``; with
-  ``late_start_s: 0`` the same request runs to its end (the case this covers: it fails without);
+- ``test_a_request_registered_late_stops_once_registered[stream-*]`` (1 and 4 API-server
+  processes): stopped at the engine within ``STARTED_ABORT_S`` of its registration,
+  ``confirmed``; with ``late_start_s: 0`` the same request runs to its end
+  (``test_without_late_start_a_late_request_runs_on``: the case this covers fails without);
 - ``test_a_late_start_has_calls_of_its_own``: ``max_calls: 3``, all spent inside the first bound
   (as an engine marked as having several API-server processes spends 64, 8 at a time): the late
   start still names the ids, and the stream stops (before: it ran to its end, ``finished``);
-- ``test_a_json_request_registered_late_is_stopped_by_a_late_resend`` (1 and 4 API-server
+- ``test_a_request_registered_late_stops_once_registered[JSON-*]`` (1 and 4 API-server
   processes): a JSON chat sends nothing until its whole answer, so nothing tells its start; it is
   watched on all the same while its ids are re-sent at doubling gaps, widening: stopped at the
   engine within as long again as it registered after the bound (plus a guard), ``confirmed``;
   with ``late_start_s: 0`` its upstream closes at the bound and it runs to its end
-  (``test_without_late_start_a_late_json_request_runs_on``);
+  (``test_without_late_start_a_late_request_runs_on``);
 - ``test_a_json_wait_that_spent_its_calls_ends_unconfirmed``: ``max_calls: 3``, spent by the
   wait's first two re-sends: ``unconfirmed`` at the third's due, the upstream closed then;
 - ``test_a_request_whose_body_was_not_kept`` (stream, JSON; ``replay_buffer_bytes`` under the
@@ -93,28 +94,46 @@ async def leave_early(fake: VLLMEngine, servers: Servers, stalls: Stalls, stream
     return work, left
 
 
-@pytest.mark.parametrize("processes", [1, 4])
-async def test_a_stream_registered_late_is_aborted_once_it_starts(
-        fakes: list[VLLMEngine], start_sidecar: Callable[..., Any], stalls: Stalls,
-        processes: int) -> None:
-    fake, servers = await deploy(fakes, start_sidecar, processes, late_start_s=5.0)
-    work, left = await leave_early(fake, servers, stalls, stream=True)
+async def stopped_once_registered(fake: VLLMEngine, servers: Servers, stalls: Stalls,
+                                  stream: bool, register_s: float = REGISTER_S) -> None:
+    """A request registered ``register_s`` after its body (after the bound), its client gone
+    before its first byte: stopped at the engine once registered (a stream within
+    ``STARTED_ABORT_S`` of its registration: its head starts it; a JSON request within as long
+    again as it registered into the wait, plus that guard: a re-send of the wait), the calls
+    before ignored, ``confirmed``, and counted as a late start only if a stream."""
+    work, left = await leave_early(fake, servers, stalls, stream=stream, register_s=register_s)
     await stalls.wait(fake.watch.until(lambda: not work.running, FOREVER),
-                      "the late stream stopped at the engine", 10.0)
+                      "the late request stopped at the engine", 10.0)
     registered = work.registered_at
     assert registered is not None and registered - left > BOUND_S, (
         f"expected it registered after the bound: {work}")
     assert not work.ran_to_end and work.stopped_at is not None, f"it ran on: {work}"
-    assert work.stopped_at - registered <= STARTED_ABORT_S, (
-        f"stopped {ms(work.stopped_at - registered)} after its registration, expected within "
-        f"{ms(STARTED_ABORT_S)}: {work}")
+    late = registered - left - BOUND_S  # into the wait
+    within = STARTED_ABORT_S if stream else late + STARTED_ABORT_S
+    assert work.stopped_at - registered <= within, (
+        f"stopped {ms(work.stopped_at - registered)} after its registration, "
+        f"{ms(late)} into the wait, expected within {ms(within)}: {work}")
     assert work.ignored, "expected the calls before the registration to be ignored (the case)"
     await wait_metric(stalls, servers.admin_port or 0, "cancel_sidecar_aborted_requests_total",
                       1, engine="local", outcome="confirmed")
     values = await metrics(servers.admin_port or 0)
     assert sample(values, "cancel_sidecar_aborted_requests_total", engine="local",
                   outcome="unconfirmed") == 0
-    assert sample(values, "cancel_sidecar_abort_late_starts_total", engine="local") == 1
+    assert sample(values, "cancel_sidecar_abort_late_starts_total",
+                  engine="local") == int(stream)
+
+
+@pytest.mark.parametrize("processes", [1, 4])
+@pytest.mark.parametrize("stream", [True, False], ids=["stream", "JSON"])
+async def test_a_request_registered_late_stops_once_registered(
+        fakes: list[VLLMEngine], start_sidecar: Callable[..., Any], stalls: Stalls,
+        processes: int, stream: bool) -> None:
+    """A stream's head says it registered: its ids go again then (a late start). A JSON
+    answer's first byte comes with its end, so nothing says when the engine registers it:
+    watched on past the bound, its ids re-sent meanwhile at doubling gaps, and its answer, cut
+    short with the abort mark, confirms it (not a late start: nothing started)."""
+    fake, servers = await deploy(fakes, start_sidecar, processes, late_start_s=5.0)
+    await stopped_once_registered(fake, servers, stalls, stream)
 
 
 async def test_a_late_start_has_calls_of_its_own(
@@ -131,58 +150,14 @@ async def test_a_late_start_has_calls_of_its_own(
                       1, engine="local", outcome="confirmed")
 
 
-async def test_without_late_start_a_late_stream_runs_on(
-        fakes: list[VLLMEngine], start_sidecar: Callable[..., Any], stalls: Stalls) -> None:
+@pytest.mark.parametrize("stream", [True, False], ids=["stream", "JSON"])
+async def test_without_late_start_a_late_request_runs_on(
+        fakes: list[VLLMEngine], start_sidecar: Callable[..., Any], stalls: Stalls,
+        stream: bool) -> None:
     """``late_start_s: 0``: unconfirmed at the bound, the upstream closed, and the blind engine
     runs the request for nobody: what the test above covers."""
     fake, servers = await deploy(fakes, start_sidecar, 1, late_start_s=0)
-    work, left = await leave_early(fake, servers, stalls, stream=True)
-    await stalls.wait(fake.watch.until(lambda: work.closed_at is not None, FOREVER),
-                      "the upstream closed at the bound")
-    assert work.closed_at is not None and work.closed_at - left < REGISTER_S, work
-    await stalls.wait(fake.watch.until(lambda: not work.running, FOREVER),
-                      "the stream to end at the engine", 10.0)
-    assert work.ran_to_end, f"expected it to run to its end for nobody: {work}"
-    await wait_metric(stalls, servers.admin_port or 0, "cancel_sidecar_aborted_requests_total",
-                      1, engine="local", outcome="unconfirmed")
-
-
-@pytest.mark.parametrize("processes", [1, 4])
-async def test_a_json_request_registered_late_is_stopped_by_a_late_resend(
-        fakes: list[VLLMEngine], start_sidecar: Callable[..., Any], stalls: Stalls,
-        processes: int) -> None:
-    """A JSON answer's first byte comes with its end, so nothing says when the engine registers
-    it: watched on past the bound, its ids re-sent meanwhile at doubling gaps, it stops within
-    as long again as it registered after the bound (plus a guard), and its answer, cut short
-    with the abort mark, confirms it. Not a late start (nothing started): that counter stays
-    0."""
-    fake, servers = await deploy(fakes, start_sidecar, processes, late_start_s=5.0)
-    work, left = await leave_early(fake, servers, stalls, stream=False)
-    await stalls.wait(fake.watch.until(lambda: not work.running, FOREVER),
-                      "the late JSON request stopped at the engine", 10.0)
-    registered = work.registered_at
-    assert registered is not None and registered - left > BOUND_S, (
-        f"expected it registered after the bound: {work}")
-    assert not work.ran_to_end and work.stopped_at is not None, f"it ran on: {work}"
-    late = registered - left - BOUND_S  # into the wait
-    assert work.stopped_at - registered <= late + STARTED_ABORT_S, (
-        f"stopped {ms(work.stopped_at - registered)} after its registration, "
-        f"{ms(late)} into the wait, expected within {ms(late + STARTED_ABORT_S)}: {work}")
-    assert work.ignored, "expected the calls before the registration to be ignored (the case)"
-    await wait_metric(stalls, servers.admin_port or 0, "cancel_sidecar_aborted_requests_total",
-                      1, engine="local", outcome="confirmed")
-    values = await metrics(servers.admin_port or 0)
-    assert sample(values, "cancel_sidecar_aborted_requests_total", engine="local",
-                  outcome="unconfirmed") == 0
-    assert sample(values, "cancel_sidecar_abort_late_starts_total", engine="local") == 0
-
-
-async def test_without_late_start_a_late_json_request_runs_on(
-        fakes: list[VLLMEngine], start_sidecar: Callable[..., Any], stalls: Stalls) -> None:
-    """``late_start_s: 0``: the JSON request's upstream is closed at the bound, unconfirmed,
-    and the blind engine runs it for nobody: what the test above covers."""
-    fake, servers = await deploy(fakes, start_sidecar, 1, late_start_s=0)
-    work, left = await leave_early(fake, servers, stalls, stream=False)
+    work, left = await leave_early(fake, servers, stalls, stream=stream)
     await stalls.wait(fake.watch.until(lambda: work.closed_at is not None, FOREVER),
                       "the upstream closed at the bound")
     assert work.closed_at is not None and work.closed_at - left < REGISTER_S, work
@@ -225,21 +200,7 @@ async def test_a_request_whose_body_was_not_kept(
     its end, is no start: not counted)."""
     fake, servers = await deploy(fakes, start_sidecar, 1, {"replay_buffer_bytes": 16},
                                  late_start_s=5.0)
-    work, left = await leave_early(fake, servers, stalls, stream=stream, register_s=2.0)
-    await stalls.wait(fake.watch.until(lambda: not work.running, FOREVER),
-                      "the late request stopped at the engine", 10.0)
-    registered = work.registered_at
-    assert registered is not None and registered - left > BOUND_S, work
-    assert not work.ran_to_end and work.stopped_at is not None, f"it ran on: {work}"
-    late = registered - left - BOUND_S  # into the wait
-    within = STARTED_ABORT_S if stream else late + STARTED_ABORT_S
-    assert work.stopped_at - registered <= within, (
-        f"stopped {ms(work.stopped_at - registered)} after its registration, expected within "
-        f"{ms(within)}: {work}")
-    await wait_metric(stalls, servers.admin_port or 0, "cancel_sidecar_aborted_requests_total",
-                      1, engine="local", outcome="confirmed")
-    assert sample(await metrics(servers.admin_port or 0),
-                  "cancel_sidecar_abort_late_starts_total", engine="local") == int(stream)
+    await stopped_once_registered(fake, servers, stalls, stream, register_s=2.0)
 
 
 async def test_a_start_later_than_late_start_s_is_unconfirmed(
